@@ -1,0 +1,3 @@
+"""llmpipe: raw text -> trained LLaMA-style model -> ONNX / OM -> benchmark. Never imports prefect."""
+
+__version__ = "0.1.0"

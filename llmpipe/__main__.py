@@ -1,0 +1,3 @@
+from llmpipe.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,282 @@
+"""Typed run configuration: YAML -> validated tree, with `--set a.b=c` overrides.
+
+Every section is a pydantic model that forbids unknown keys. `load(path, overrides)` returns a
+`RunConfig`; any problem raises `ConfigError` whose message names the field and the bad value.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+STAGES = ("prepare_data", "train", "consolidate", "export_onnx", "convert_om", "benchmark")
+RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class ConfigError(ValueError):
+    """A user error in a config file or override; the message is one line meant for the user."""
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunSection(Section):
+    name: str = Field("tiny", description="Run name: the folder artifacts/<name>/ (letters, digits, . _ -).")
+    artifacts_dir: str = Field("artifacts", description="Root folder for all runs' outputs.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; auto picks npu > cuda > cpu.")
+    seed: int = Field(1234, ge=0, description="Seed for data split, sampling order and weight init.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not RUN_NAME_RE.match(v) or v in (".", ".."):
+            raise ValueError(f"{v!r} is not a valid run name (1-64 of letters, digits, '.', '_', '-')")
+        return v
+
+
+class TokenizerSection(Section):
+    path: str | None = Field(None, description="An existing tokenizer.json to load; null trains a new one.")
+    vocab_size: int = Field(8192, ge=260, le=1_000_000, description="BPE vocabulary size when training.")
+    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+    eos_token: str = Field("<|endoftext|>", description="Token inserted between documents.")
+
+
+class DataSection(Section):
+    inputs: list[str] = Field(..., min_length=1, description="Globs of .txt/.jsonl (or any text) files. "
+                              "'{stdlib}' expands to this Python's standard library folder.")
+    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
+    seq_len: int = Field(256, ge=8, le=1_048_576, description="Tokens per training sample.")
+    val_fraction: float = Field(0.01, gt=0.0, lt=0.5, description="Fraction of documents held out.")
+    max_files: int | None = Field(None, ge=1, description="Read at most this many files (sorted order).")
+    max_file_bytes: int = Field(64 << 20, ge=1, description="Files larger than this are skipped (with reason).")
+    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+
+
+class ModelSection(Section):
+    flavor: str = Field("tiny", description="Named architecture in llmpipe.models.llama.flavors.")
+    dim: int | None = Field(None, ge=8, description="Override: hidden size.")
+    n_layers: int | None = Field(None, ge=1, description="Override: transformer blocks.")
+    n_heads: int | None = Field(None, ge=1, description="Override: attention heads.")
+    n_kv_heads: int | None = Field(None, ge=1, description="Override: key/value heads (GQA).")
+    ffn_dim: int | None = Field(None, ge=8, description="Override: SwiGLU intermediate size.")
+    max_seq_len: int | None = Field(None, ge=8, description="Override: longest sequence (RoPE table).")
+    rope_theta: float | None = Field(None, gt=0, description="Override: RoPE base.")
+    norm_eps: float | None = Field(None, gt=0, description="Override: RMSNorm epsilon.")
+
+
+class ParallelSection(Section):
+    data: Literal["ddp"] = Field("ddp", description="Data-parallel strategy.")
+    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size (MB).")
+    gradient_as_bucket_view: bool = Field(True, description="DDP: gradients are views into buckets.")
+    static_graph: bool = Field(True, description="DDP: the autograd graph is the same every step.")
+    broadcast_buffers: bool = Field(False, description="DDP: broadcast buffers from rank 0 each step.")
+
+
+class LossScaleSection(Section):
+    init: float = Field(65536.0, gt=0, description="fp16: initial loss scale.")
+    growth_interval: int = Field(2000, ge=1, description="fp16: steps without overflow before the scale grows.")
+
+
+class PrecisionSection(Section):
+    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype (fp16 adds a GradScaler).")
+    loss_scale: LossScaleSection = Field(default_factory=LossScaleSection)
+
+
+class OptimSection(Section):
+    lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
+    eps: float = Field(1.0e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms).")
+    clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null: off.")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"each beta must be in [0, 1), got {list(v)}")
+        return v
+
+
+class ScheduleSection(Section):
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
+
+
+class CheckpointSection(Section):
+    every_steps: int = Field(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = Field(3, ge=1, description="Checkpoints kept; older ones are removed.")
+    resume: bool | Literal["auto"] | str = Field("auto", description="auto: newest valid checkpoint of this "
+                                                 "stage; false: start over; a path: that checkpoint.")
+
+
+class EvalSection(Section):
+    every_steps: int = Field(50, ge=1, description="Validation every N steps (and at the start and end).")
+    batches: int = Field(8, ge=1, description="Validation micro-batches per rank.")
+
+
+class TrainSection(Section):
+    nproc_per_node: int = Field(1, ge=1, le=1024, description="Processes torchrun starts on this node.")
+    micro_batch_size: int = Field(8, ge=1, description="Samples per rank per forward pass.")
+    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    max_steps: int = Field(200, ge=1, description="Optimizer steps to train.")
+    parallel: ParallelSection = Field(default_factory=ParallelSection)
+    precision: PrecisionSection = Field(default_factory=PrecisionSection)
+    optim: OptimSection = Field(default_factory=OptimSection)
+    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
+    activation_checkpointing: bool = Field(False, description="Recompute each block in backward.")
+    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
+    eval: EvalSection = Field(default_factory=EvalSection)
+    log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
+    peak_tflops: float | None = Field(None, gt=0, description="Peak dense TFLOPS per device for MFU; "
+                                      "null: device.py's table for the detected device.")
+    threads_per_proc: int | None = Field(None, ge=1, description="torch intra-op threads per rank "
+                                         "(CPU); null: cores / nproc_per_node.")
+    dist_timeout_s: int = Field(1800, ge=10, description="Timeout for process-group init and collectives.")
+
+
+class ConsolidateSection(Section):
+    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight dtype of the consolidated model.")
+    hf_layout: bool = Field(True, description="Also write a Hugging Face Llama folder (hf/).")
+
+
+class ExportSection(Section):
+    opset: int = Field(17, ge=14, le=21, description="ONNX opset (ATC reads 9-18; SDPA needs >= 14).")
+    parity_atol: float = Field(1.0e-3, gt=0, description="Max abs logit difference ORT vs PyTorch.")
+    parity_shapes: list[tuple[int, int]] = Field([(1, 16), (2, 64)], min_length=1,
+                                                 description="(batch, seq) shapes checked for parity.")
+    allow_large_opset: bool = Field(False, description="Allow opset > 18 (ATC cannot read it).")
+
+    @model_validator(mode="after")
+    def _opset(self) -> ExportSection:
+        if self.opset > 18 and not self.allow_large_opset:
+            raise ValueError(f"opset {self.opset} > 18, which ATC cannot read; set allow_large_opset: true")
+        return self
+
+
+class ConvertOmSection(Section):
+    required: bool = Field(False, description="Fail (instead of skip) when ATC is not available.")
+    atc_path: str | None = Field(None, description="Path to atc; null: PATH, then CANN's usual locations.")
+    soc_version: str = Field("Ascend910B", description="--soc_version, e.g. Ascend910B, Ascend310P3.")
+    input_shape: str | None = Field(None, description="--input_shape, e.g. 'input_ids:1,128' (or -1 dims).")
+    dynamic_dims: str | None = Field(None, description="--dynamic_dims gears, e.g. '32;64;128'.")
+    precision_mode: str | None = Field(None, description="--precision_mode (exclusive with _v2).")
+    precision_mode_v2: str | None = Field("fp16", description="--precision_mode_v2, e.g. fp16, origin.")
+    op_select_implmode: Literal["high_performance", "high_precision"] | None = Field(
+        None, description="--op_select_implmode.")
+    log: Literal["debug", "info", "warning", "error", "null"] = Field("error", description="ATC --log level.")
+    timeout_s: int = Field(3600, ge=1, description="Kill ATC after this many seconds.")
+
+    @model_validator(mode="after")
+    def _precision(self) -> ConvertOmSection:
+        if self.precision_mode and self.precision_mode_v2:
+            raise ValueError("set precision_mode or precision_mode_v2, not both (ATC rejects both)")
+        return self
+
+
+class BenchmarkSection(Section):
+    variants: list[Literal["fp32", "fp16", "int8"]] = Field(["fp32", "fp16", "int8"], min_length=1,
+                                                            description="Model variants to measure.")
+    providers: Literal["auto"] | list[str] = Field("auto", description="ORT providers; auto: every one "
+                                                   "present among CPU, CUDA, CANN.")
+    shapes: list[tuple[int, int]] = Field([(1, 128), (4, 128)], min_length=1, description="(batch, seq).")
+    warmup: int = Field(5, ge=0, description="Untimed iterations per measurement.")
+    iters: int = Field(50, ge=1, description="Timed iterations per measurement.")
+    torch_baseline: bool = Field(True, description="Measure PyTorch eager in the same run.")
+    threads: int | None = Field(None, ge=1, description="Intra-op threads for ORT and torch; null: all cores.")
+
+
+class RunConfig(Section):
+    run: RunSection = Field(default_factory=RunSection)
+    data: DataSection
+    model: ModelSection = Field(default_factory=ModelSection)
+    train: TrainSection = Field(default_factory=TrainSection)
+    consolidate: ConsolidateSection = Field(default_factory=ConsolidateSection)
+    export: ExportSection = Field(default_factory=ExportSection)
+    convert_om: ConvertOmSection = Field(default_factory=ConvertOmSection)
+    benchmark: BenchmarkSection = Field(default_factory=BenchmarkSection)
+
+    def run_dir(self) -> Path:
+        """artifacts_dir/name, guaranteed to stay inside artifacts_dir."""
+        root = Path(self.run.artifacts_dir).resolve()
+        path = (root / self.run.name).resolve()
+        if path.parent != root:
+            raise ConfigError(f"run.name: {self.run.name!r} escapes {root}")
+        return path
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def _parse_value(text: str) -> Any:
+    """An override value is YAML: `3`, `1e-4`, `true`, `null`, `[1, 2]`, or a plain string."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def apply_override(tree: dict[str, Any], assignment: str) -> None:
+    """Apply one `a.b.c=value` to a nested dict, in place."""
+    key, sep, value = assignment.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set {assignment!r}: expected KEY=VALUE, e.g. train.max_steps=100")
+    parts = key.strip().split(".")
+    node = tree
+    for i, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not a section")
+        node = child
+    node[parts[-1]] = _parse_value(value)
+
+
+def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
+    first = err.errors()[0]
+    loc = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "extra_forbidden":
+        return f"{loc}: unknown key"
+    if first["type"] == "missing":
+        return f"{loc}: required field is missing"
+    value = first.get("input")
+    shown = repr(value) if not isinstance(value, dict) else "{...}"
+    return f"{loc}: {msg} (got {shown})" if loc else msg
+
+
+def from_dict(tree: dict[str, Any], source: str = "config") -> RunConfig:
+    try:
+        return RunConfig.model_validate(tree)
+    except ValidationError as err:
+        raise ConfigError(f"{source}: {_format_error(err, tree)}") from None
+
+
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
+    """Read a YAML run config, apply `key=value` overrides, and validate everything."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        tree = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (yaml.YAMLError, UnicodeDecodeError) as err:
+        raise ConfigError(f"{path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    if tree is None:
+        tree = {}
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(tree).__name__}")
+    for assignment in overrides:
+        apply_override(tree, assignment)
+    return from_dict(tree, source=str(path))
+
+
+def section(cfg: RunConfig, dotted: str) -> Any:
+    """The JSON form of a (possibly nested) section, e.g. 'train' or 'run.seed'."""
+    node: Any = cfg.to_dict()
+    for part in dotted.split("."):
+        node = node[part]
+    return node

@@ -1,0 +1,152 @@
+"""The one module that knows the hardware: npu / cuda / cpu.
+
+Everything device-specific lives here: picking the device, the distributed backend
+(hccl / nccl / gloo), autocast and loss scaling, memory statistics, peak FLOPS for MFU, and the
+onnxruntime execution providers. It is also the only module that imports torch_npu.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import sys
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+# Dense peak TFLOPS per device for MFU, by (device type, dtype). CPU figures are rough: override
+# train.peak_tflops with your machine's number for a meaningful MFU.
+_PEAK_TFLOPS = {
+    ("npu", "bf16"): 313.0, ("npu", "fp16"): 313.0, ("npu", "fp32"): 78.0,    # Ascend 910B
+    ("cuda", "bf16"): 989.0, ("cuda", "fp16"): 989.0, ("cuda", "fp32"): 67.0,  # H100/H200 SXM dense
+    ("cpu", "bf16"): 0.5, ("cpu", "fp16"): 0.5, ("cpu", "fp32"): 0.5,
+}
+
+_ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "npu": "CANNExecutionProvider"}
+
+
+def _npu_available() -> bool:
+    """Import torch_npu only when asked; it needs CANN and breaks `import torch` without it."""
+    if "torch_npu" not in sys.modules:
+        try:
+            import torch_npu  # noqa: F401
+        except Exception:  # ImportError, or OSError when CANN libraries are missing
+            return False
+    return bool(getattr(torch, "npu", None) and torch.npu.is_available())
+
+
+def resolve(name: str = "auto") -> torch.device:
+    """`auto` picks npu, then cuda, then cpu. Asking for a missing device is an error."""
+    if name == "auto":
+        if _npu_available():
+            name = "npu"
+        elif torch.cuda.is_available():
+            name = "cuda"
+        else:
+            name = "cpu"
+    elif name == "npu" and not _npu_available():
+        raise RuntimeError("run.device: npu requested but torch_npu/CANN is not available")
+    elif name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device: cuda requested but no CUDA device is visible")
+    if name == "cpu":
+        return torch.device("cpu")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return torch.device(name, local_rank)
+
+
+def set_current(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    elif device.type == "npu":
+        torch.npu.set_device(device)
+
+
+def dist_backend(device: torch.device) -> str:
+    return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
+
+
+def dist_env(device_name: str, timeout_s: int) -> dict[str, str]:
+    """Environment for the launched ranks (HCCL reads its timeouts from the environment)."""
+    env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
+    if device_name in ("npu", "auto"):
+        env["HCCL_CONNECT_TIMEOUT"] = str(max(120, timeout_s))
+        env["HCCL_EXEC_TIMEOUT"] = str(max(120, timeout_s))
+    return env
+
+
+def dtype(name: str) -> torch.dtype:
+    return _DTYPES[name]
+
+
+def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+    """bf16/fp16 autocast on the device; fp32 is a no-op context."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=_DTYPES[precision])
+
+
+def grad_scaler(device: torch.device, precision: str, init_scale: float, growth_interval: int):
+    """A GradScaler for fp16, or None for fp32/bf16 (which need no loss scaling)."""
+    if precision != "fp16":
+        return None
+    if device.type == "npu":
+        from torch_npu.npu.amp import GradScaler  # type: ignore[import-not-found]
+
+        return GradScaler(init_scale=init_scale, growth_interval=growth_interval)
+    return torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "npu":
+        torch.npu.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak allocated device memory; on CPU, the process's peak RSS."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    if device.type == "npu":
+        return int(torch.npu.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+def peak_tflops(device: torch.device, precision: str) -> float:
+    return _PEAK_TFLOPS[(device.type, precision)]
+
+
+@dataclass(frozen=True)
+class OrtProvider:
+    name: str  # short name used in reports: cpu, cuda, npu
+    ort_name: str  # onnxruntime's provider name
+
+
+def ort_providers(requested: str | list[str] = "auto") -> list[OrtProvider]:
+    """onnxruntime providers present here, among CPU, CUDA and CANN (Ascend)."""
+    import onnxruntime as ort
+
+    present = set(ort.get_available_providers())
+    known = [OrtProvider(short, full) for short, full in _ORT_PROVIDERS.items()]
+    if requested == "auto":
+        return [p for p in known if p.ort_name in present]
+    chosen = []
+    for want in requested:
+        match = [p for p in known if want in (p.name, p.ort_name)]
+        if not match:
+            raise ValueError(f"benchmark.providers: unknown provider {want!r} (known: {sorted(_ORT_PROVIDERS)})")
+        if match[0].ort_name not in present:
+            raise ValueError(f"benchmark.providers: {want!r} is not available in this onnxruntime build")
+        chosen.append(match[0])
+    return chosen
+
+
+def cann_toolkit_dirs() -> list[str]:
+    """Where the CANN toolkit usually lives (for finding `atc`)."""
+    home = os.environ.get("ASCEND_TOOLKIT_HOME")
+    dirs = [home] if home else []
+    dirs += ["/usr/local/Ascend/ascend-toolkit/latest", os.path.expanduser("~/Ascend/ascend-toolkit/latest")]
+    return dirs

@@ -1,0 +1,186 @@
+"""LLaMA-style decoder: RMSNorm, rotary embeddings, SwiGLU, grouped-query attention via SDPA.
+
+Architecture only: no device, distributed, checkpoint or orchestration code here. Layers live in a
+ModuleDict keyed "0".."n-1" and `forward` tolerates a missing embedding, norm or head, so a
+pipeline stage is cut by deleting modules. RoPE uses the rotate-half convention of Hugging Face's
+Llama, so converting weights to HF names is a pure rename.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 256
+    n_layers: int = 4
+    n_heads: int = 8
+    n_kv_heads: int = 4
+    vocab_size: int = 8192
+    ffn_dim: int = 688
+    max_seq_len: int = 1024
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
+        if (self.dim // self.n_heads) % 2:
+            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def num_params(self, embeddings: bool = True) -> int:
+        d, f, hd = self.dim, self.ffn_dim, self.head_dim
+        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
+        block = attn + 3 * d * f + 2 * d
+        n = self.n_layers * block + d + d * self.vocab_size  # blocks, final norm, output head
+        return n + (d * self.vocab_size if embeddings else 0)
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6N (non-embedding) plus the attention term 12 * L * d * T."""
+        return 6 * self.num_params(embeddings=False) + 12 * self.n_layers * self.dim * seq_len
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: normalise in fp32 (as HF Llama does) so bf16/fp16 autocast stays stable.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_cache(args: ModelArgs, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin tables, each (max_seq_len, head_dim)."""
+    hd = args.head_dim
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # (T, hd/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x: (B, H, T, hd); cos/sin: (T, hd)
+    return (x * cos + rotate_half(x) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Head counts come from the weights, so a tensor-parallel shard (fewer local heads) works.
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # GQA: each kv head serves `rep` query heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # gate
+        self.w2 = nn.Linear(args.ffn_dim, args.dim, bias=False)  # down
+        self.w3 = nn.Linear(args.dim, args.ffn_dim, bias=False)  # up
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), cos, sin)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        cos, sin = rope_cache(args)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int | None = None) -> None:
+        """(Re)initialise every parameter and buffer in place; works after `to_empty`."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device=self.rope_cos.device).manual_seed(seed)
+        cos, sin = rope_cache(self.args, device=self.rope_cos.device)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
+        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
+        if self.tok_embeddings is not None:
+            nn.init.normal_(self.tok_embeddings.weight, std=1.0, generator=gen)
+        for name, p in self.named_parameters():
+            if name.startswith("tok_embeddings"):
+                continue
+            if p.ndim == 1:
+                nn.init.ones_(p)
+            elif name.startswith("output"):
+                nn.init.trunc_normal_(p, std=self.args.dim ** -0.5, a=-3 * self.args.dim ** -0.5,
+                                      b=3 * self.args.dim ** -0.5, generator=gen)
+            else:
+                s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
+                nn.init.trunc_normal_(p, std=s, a=-3 * s, b=3 * s, generator=gen)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab); pipeline stages pass hidden states (B, T, d)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        T = h.shape[1]
+        cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h

@@ -1,0 +1,220 @@
+"""The stage contract: fingerprints, skip-if-done, atomic publish.
+
+`run_stage(name, cfg)` is what both the CLI and the Prefect tasks call. Each stage writes into
+`artifacts/<run>/.<NN_stage>.partial/`, which is renamed to `<NN_stage>/` only when the stage
+succeeds, and then carries `manifest.json`. A stage whose manifest verifies and whose
+fingerprint equals the one computed from the current config is skipped.
+
+Fingerprints are derived from the config alone: a stage's own config sections, its inputs'
+fingerprints and the library version. So the whole chain's fingerprints are known before
+anything runs, and a change to one section re-runs that stage and everything after it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import llmpipe
+from llmpipe.config import STAGES, ConfigError, RunConfig, section
+from llmpipe.manifest import Manifest, file_entry, fingerprint, versions
+
+log = logging.getLogger("llmpipe.stages")
+
+
+class StageError(RuntimeError):
+    """A stage failed for a reason the user can act on; the message is one line."""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    sections: tuple[str, ...]  # config sections that define this stage's result
+    inputs: tuple[str, ...]  # stages whose outputs it reads
+    entry: str  # "module:function" taking a StageContext, returning a StageResult
+    resumable: bool = False  # keep the partial folder across failed attempts (training)
+    extra: str | None = None  # "module:function(cfg) -> dict" of environment facts in the fingerprint
+
+
+SPECS: dict[str, StageSpec] = {s.name: s for s in (
+    StageSpec("prepare_data", ("data", "run.seed"), (), "llmpipe.data.prepare:run"),
+    StageSpec("train", ("model", "train", "run.seed"), ("prepare_data",), "llmpipe.train.stage:run",
+              resumable=True),
+    StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run"),
+    StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run"),
+    StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run",
+              extra="llmpipe.export.atc:fingerprint_extra"),
+    StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate"),
+              "llmpipe.bench.run:run"),
+)}
+assert tuple(SPECS) == STAGES
+
+
+@dataclass
+class StageResult:
+    """What a stage function returns: outputs (name -> path relative to the stage folder; a
+    folder is expanded to its files), metrics, and a status ("completed" or "skipped")."""
+
+    outputs: dict[str, str] = field(default_factory=dict)
+    metrics: dict[str, Any] = field(default_factory=dict)
+    status: str = "completed"
+    reason: str | None = None
+
+
+@dataclass
+class StageContext:
+    cfg: RunConfig
+    name: str
+    run_dir: Path
+    work_dir: Path  # the partial folder the stage writes into
+    inputs: dict[str, tuple[Path, Manifest]]  # stage name -> (its folder, its manifest)
+    fingerprint: str
+
+    def input_path(self, stage: str, output: str) -> Path:
+        folder, manifest = self.inputs[stage]
+        return manifest.path(folder, output)
+
+
+def stage_dir(run_dir: Path, name: str) -> Path:
+    return Path(run_dir) / f"{STAGES.index(name) + 1:02d}_{name}"
+
+
+def _resolve(entry: str) -> Callable:
+    module, _, func = entry.partition(":")
+    return getattr(importlib.import_module(module), func)
+
+
+def fingerprints(cfg: RunConfig) -> dict[str, str]:
+    """Expected fingerprint of every stage under `cfg`, in pipeline order."""
+    out: dict[str, str] = {}
+    for name, spec in SPECS.items():
+        payload = {
+            "stage": name,
+            "config": {s: section(cfg, s) for s in spec.sections},
+            "inputs": {i: out[i] for i in spec.inputs},
+            "llmpipe": llmpipe.__version__,
+        }
+        if spec.extra:
+            payload["extra"] = _resolve(spec.extra)(cfg)
+        out[name] = fingerprint(payload)
+    return out
+
+
+def state(cfg: RunConfig, name: str, expected: str | None = None, full: bool = True) -> tuple[str, Manifest | None]:
+    """("done" | "stale" | "invalid: <why>" | "missing", manifest) for one stage."""
+    folder = stage_dir(cfg.run_dir(), name)
+    manifest = Manifest.read(folder)
+    if manifest is None:
+        return "missing", None
+    expected = expected or fingerprints(cfg)[name]
+    if manifest.fingerprint != expected:
+        return "stale", manifest
+    problem = manifest.verify(folder, full=full)
+    if problem:
+        return f"invalid: {problem}", manifest
+    return "done", manifest
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _prepare_partial(partial: Path, fp: str, resumable: bool) -> None:
+    marker = partial / ".fingerprint"
+    if partial.exists():
+        same = marker.is_file() and marker.read_text().strip() == fp
+        if resumable and same:
+            log.info("resuming from the partial outputs in %s", partial)
+            return
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    marker.write_text(fp + "\n")
+
+
+def _expand_outputs(root: Path, outputs: dict[str, str]) -> dict[str, dict[str, Any]]:
+    entries: dict[str, dict[str, Any]] = {}
+    for name, rel in outputs.items():
+        p = root / rel
+        if p.is_dir():
+            for f in sorted(x for x in p.rglob("*") if x.is_file()):
+                sub = f.relative_to(root).as_posix()
+                entries[f"{name}/{f.relative_to(p).as_posix()}"] = file_entry(root, sub)
+        elif p.is_file():
+            entries[name] = file_entry(root, rel)
+        else:
+            raise StageError(f"stage produced no {name} ({p})")
+    return entries
+
+
+def _publish(partial: Path, final: Path) -> None:
+    """Swap `partial` into place as `final`; the previous result is removed only afterwards."""
+    old = None
+    if final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+    os.replace(partial, final)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest, bool]:
+    """Run one stage unless it is already done. Returns (manifest, executed)."""
+    if name not in SPECS:
+        raise ConfigError(f"unknown stage {name!r} (stages: {', '.join(STAGES)})")
+    spec = SPECS[name]
+    fps = fingerprints(cfg)
+    run_dir = cfg.run_dir()
+    final = stage_dir(run_dir, name)
+    if not force:
+        status, manifest = state(cfg, name, fps[name])
+        if status == "done":
+            log.info("%s: up to date (fingerprint %s), skipped", name, fps[name][:12])
+            return manifest, False
+        if manifest is not None:
+            log.info("%s: existing result is %s; running again", name, status)
+
+    inputs: dict[str, tuple[Path, Manifest]] = {}
+    for dep in spec.inputs:
+        status, manifest = state(cfg, dep, fps[dep], full=False)
+        if status != "done":
+            raise StageError(f"{name} needs {dep}, which is {status}; run {dep} first")
+        inputs[dep] = (stage_dir(run_dir, dep), manifest)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    partial = run_dir / f".{final.name}.partial"
+    _prepare_partial(partial, fps[name], spec.resumable)
+    started, t0 = _now(), time.monotonic()
+    log.info("%s: running (fingerprint %s)", name, fps[name][:12])
+    ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name])
+    result: StageResult = _resolve(spec.entry)(ctx)
+
+    (partial / ".fingerprint").unlink(missing_ok=True)
+    manifest = Manifest(
+        stage=name, status=result.status, reason=result.reason, fingerprint=fps[name],
+        outputs=_expand_outputs(partial, result.outputs), metrics=result.metrics,
+        config=cfg.to_dict(), versions=versions(), started_at=started, finished_at=_now(),
+        duration_s=round(time.monotonic() - t0, 3), inputs={d: fps[d] for d in spec.inputs},
+    )
+    manifest.write(partial)
+    _publish(partial, final)
+    log.info("%s: %s in %.1fs -> %s", name, result.status, manifest.duration_s, final)
+    return manifest, True
+
+
+def select(from_stage: str | None = None, only: list[str] | None = None) -> list[str]:
+    """The stages to run, in pipeline order, for --from-stage / --only."""
+    for s in [from_stage, *(only or [])]:
+        if s is not None and s not in SPECS:
+            raise ConfigError(f"unknown stage {s!r} (stages: {', '.join(STAGES)})")
+    if only:
+        return [s for s in STAGES if s in only]
+    start = STAGES.index(from_stage) if from_stage else 0
+    return list(STAGES[start:])
