@@ -1,0 +1,73 @@
+"""The consolidate stage: newest training checkpoint -> one self-describing model folder.
+
+    model.safetensors   weights in llmpipe names (fp32 or bf16)
+    model_config.json   architecture (ModelArgs) and dtype
+    tokenizer.json      the tokenizer the model was trained with
+    hf/                 the same weights under Hugging Face Llama names + config.json + tokenizer.json,
+                        loadable by transformers' LlamaForCausalLM
+
+Tensors are streamed one at a time from the checkpoint to the output file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from llmpipe import device as dev
+from llmpipe.checkpoint import io as ckpt
+from llmpipe.checkpoint.stream import write_streaming
+from llmpipe.models.llama import hf
+from llmpipe.models.llama import io as model_io
+from llmpipe.models.llama.model import ModelArgs
+from llmpipe.stages import StageContext, StageError, StageResult
+
+log = logging.getLogger("llmpipe.consolidate")
+
+
+def consolidate(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda n: n,
+                filename: str = model_io.WEIGHTS) -> dict:
+    """Stream a full checkpoint's model.safetensors into out_dir/filename with names mapped by `rename`."""
+    dtype = dev.dtype(dtype_name)
+    src = Path(checkpoint) / ckpt.MODEL
+    with safe_open(str(src), framework="pt") as f:
+        names = sorted(f.keys())
+        specs = [(rename(n), tuple(f.get_slice(n).get_shape()), dtype) for n in names]
+        lookup = dict(zip((s[0] for s in specs), names))
+        write_streaming(out_dir / filename, specs, lambda name: f.get_tensor(lookup[name]).to(dtype),
+                        metadata={"format": "pt"})
+    return {"tensors": len(names), "params": sum(torch.Size(s[1]).numel() for s in specs)}
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg, out = ctx.cfg.consolidate, ctx.work_dir
+    checkpoint = ctx.input_path("train", f"checkpoint/{ckpt.MODEL}").parent
+    problem = ckpt.verify(checkpoint)
+    if problem:
+        raise StageError(f"consolidate: training checkpoint is not usable: {problem}")
+    meta = ckpt.read_meta(checkpoint)
+    if meta.get("format") != "full":
+        raise StageError(f"consolidate: unsupported checkpoint format {meta.get('format')!r} in {checkpoint}")
+    args = ModelArgs(**meta["model"])
+    stats = consolidate(checkpoint, out, cfg.dtype)
+    model_io.write_args(out, args, cfg.dtype)
+    tokenizer = ctx.input_path("prepare_data", "tokenizer")
+    shutil.copyfile(tokenizer, out / model_io.TOKENIZER)
+    outputs = {"model": model_io.WEIGHTS, "model_config": model_io.CONFIG, "tokenizer": model_io.TOKENIZER}
+    if cfg.hf_layout:
+        (out / "hf").mkdir()
+        consolidate(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name)
+        data_meta = json.loads(ctx.input_path("prepare_data", "meta").read_text())
+        (out / "hf" / "config.json").write_text(
+            json.dumps(hf.hf_config(args, cfg.dtype, data_meta.get("eos_id")), indent=2) + "\n")
+        shutil.copyfile(tokenizer, out / "hf" / model_io.TOKENIZER)
+        outputs["hf"] = "hf"
+    log.info("consolidated step %d (%d tensors, %.2fM params) -> %s", meta["step"], stats["tensors"],
+             stats["params"] / 1e6, out)
+    return StageResult(outputs=outputs, metrics={**stats, "step": meta["step"], "dtype": cfg.dtype,
+                                                 "bytes": (out / model_io.WEIGHTS).stat().st_size})

@@ -1,0 +1,112 @@
+"""Training checkpoints: atomic save, sha256 verification, newest-valid lookup, retention.
+
+A checkpoint is a folder `step-NNNNNN/` holding
+    model.safetensors   the full (unsharded) model state, fp32 master weights
+    optimizer.pt        optimizer state dict (tensors, numbers: loads with weights_only=True)
+    trainer_state.pt    step, consumed samples, scheduler, loss scaler, RNG
+    meta.json           format, step, world size, model args, and the sha256 of every file above
+It is written into `step-NNNNNN.tmp/` and renamed into place, with meta.json written last, so a
+folder without a valid meta.json is never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from llmpipe.manifest import sha256_file
+
+log = logging.getLogger("llmpipe.checkpoint")
+
+META = "meta.json"
+MODEL = "model.safetensors"
+OPTIM = "optimizer.pt"
+TRAINER = "trainer_state.pt"
+_STEP_RE = re.compile(r"^step-(\d{6,})$")
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return Path(root) / f"step-{step:06d}"
+
+
+def save(root: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict, trainer_state: dict,
+         meta: dict[str, Any]) -> Path:
+    """Write one checkpoint atomically; returns its folder."""
+    final = step_dir(root, step)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / MODEL))
+    torch.save(optim_state, tmp / OPTIM)
+    torch.save(trainer_state, tmp / TRAINER)
+    files = {name: sha256_file(tmp / name) for name in (MODEL, OPTIM, TRAINER)}
+    (tmp / META).write_text(json.dumps({**meta, "step": step, "files": files}, indent=2) + "\n")
+    if final.exists():  # a previous attempt's checkpoint at the same step
+        shutil.rmtree(final)
+    os.replace(tmp, final)
+    return final
+
+
+def verify(folder: Path) -> str | None:
+    """None when the checkpoint is complete and every file matches its sha256; else the problem."""
+    meta_path = Path(folder) / META
+    try:
+        meta = json.loads(meta_path.read_text())
+        files = meta["files"]
+    except (OSError, ValueError, KeyError):
+        return f"{meta_path} missing or unreadable"
+    for name, digest in files.items():
+        p = Path(folder) / name
+        if not p.is_file():
+            return f"{p} missing"
+        if sha256_file(p) != digest:
+            return f"{p} does not match its sha256 (corrupted or partially written)"
+    return None
+
+
+def list_steps(root: Path) -> list[Path]:
+    """Checkpoint folders under `root`, oldest first."""
+    if not Path(root).is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in Path(root).iterdir() if p.is_dir() and (m := _STEP_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def latest_valid(root: Path) -> Path | None:
+    """The newest checkpoint that verifies; corrupted newer ones are reported and passed over."""
+    for folder in reversed(list_steps(root)):
+        problem = verify(folder)
+        if problem is None:
+            return folder
+        log.warning("checkpoint %s is not usable (%s); trying the previous one", folder.name, problem)
+    return None
+
+
+def prune(root: Path, keep_last: int) -> None:
+    """Remove all but the newest `keep_last` checkpoints (only step-NNNNNN folders)."""
+    for folder in list_steps(root)[:-keep_last]:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / META).read_text())
+
+
+def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
+    """(model_state, optim_state, trainer_state) of a verified checkpoint."""
+    problem = verify(folder)
+    if problem:
+        raise ValueError(f"checkpoint {folder}: {problem}")
+    model_state = load_file(str(Path(folder) / MODEL), device=str(map_location))
+    optim_state = torch.load(Path(folder) / OPTIM, map_location=map_location, weights_only=True)
+    trainer_state = torch.load(Path(folder) / TRAINER, map_location=map_location, weights_only=True)
+    return model_state, optim_state, trainer_state

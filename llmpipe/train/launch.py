@@ -1,0 +1,78 @@
+"""Build the torchrun command (a pure function) and run it in its own process group.
+
+The command is what a user would type by hand; the runner streams its output line by line to a
+callback (the Prefect log, or stdout) and kills the whole process group on timeout, cancellation
+or an exception in the caller, so no rank outlives the stage.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+
+
+def torchrun_argv(nproc_per_node: int, config_path: Path, data_dir: Path, out_dir: Path,
+                  python: str = sys.executable, nnodes: int = 1, node_rank: int = 0,
+                  master_addr: str | None = None, master_port: int = 29500) -> list[str]:
+    """argv for `torchrun` (as `python -m torch.distributed.run`) running llmpipe.train.main."""
+    argv = [python, "-m", "torch.distributed.run"]
+    if nnodes == 1 and master_addr is None:
+        argv += ["--standalone", "--nnodes=1"]
+    else:
+        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
+                 f"--master-addr={master_addr}", f"--master-port={master_port}"]
+    argv += [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0",
+             "-m", "llmpipe.train.main", "--config", str(config_path), "--data", str(data_dir),
+             "--out", str(out_dir)]
+    return argv
+
+
+def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """SIGTERM the process group, then SIGKILL whatever is left after `grace_s`."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            # Children of a dead torchrun may linger in the group: make sure they are gone too.
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        return
+
+
+def run_streaming(argv: Sequence[str], on_line: Callable[[str], None], env: Mapping[str, str] | None = None,
+                  timeout_s: float | None = None, tail: int = 40) -> tuple[int, list[str]]:
+    """Run argv (no shell) in a new session; feed each output line to `on_line`.
+
+    Returns (exit code, the last `tail` lines). Kills the process group on timeout or when the
+    caller is interrupted (KeyboardInterrupt, task cancellation), then re-raises.
+    """
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(env) if env is not None else None, start_new_session=True, bufsize=1)
+    last: deque[str] = deque(maxlen=tail)
+    deadline = time.monotonic() + timeout_s if timeout_s else None
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            last.append(line)
+            on_line(line)
+            if deadline and time.monotonic() > deadline:
+                raise TimeoutError(f"exceeded {timeout_s:.0f}s")
+        code = proc.wait()
+    except BaseException:
+        _kill_group(proc)
+        raise
+    _kill_group(proc, grace_s=2.0)  # stray grandchildren, if any
+    return code, list(last)

@@ -1,0 +1,302 @@
+"""The training loop: build on meta, wrap, materialise, then step / accumulate / clip / scale.
+
+Runs in every rank (under torchrun) or in-process with world size 1. Rank 0 writes metrics.jsonl,
+TensorBoard events, checkpoints and summary.json into `out_dir`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from llmpipe import device as dev
+from llmpipe.checkpoint import io as ckpt
+from llmpipe.config import RunConfig
+from llmpipe.data.sampler import GlobalBatchSampler
+from llmpipe.data.shards import TokenShard
+from llmpipe.models.llama import Transformer, model_args
+from llmpipe.models.llama.parallelize import apply_activation_checkpointing, unwrap_state_dict
+from llmpipe.parallel.ddp import apply_ddp
+from llmpipe.train.metrics import MetricsWriter
+from llmpipe.train.schedule import lr_factor
+
+log = logging.getLogger("llmpipe.train")
+
+
+@dataclass
+class Env:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def _env(cfg: RunConfig) -> Env:
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Env(rank, world, dev.resolve(cfg.run.device))
+
+
+def _all_mean(x: torch.Tensor, env: Env) -> torch.Tensor:
+    if env.world > 1:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+        x = x / env.world
+    return x
+
+
+def build_model(cfg: RunConfig, vocab_size: int, env: Env):
+    """Meta-device build -> activation checkpointing -> materialise + init -> DDP (world > 1)."""
+    args = model_args(cfg.model, vocab_size=vocab_size)
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    with torch.device("meta"):
+        model = Transformer(args)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    model.to_empty(device=env.device)
+    model.init_weights(seed=cfg.run.seed)
+    model.train()
+    wrapped = apply_ddp(model, env.device, cfg.train.parallel) if env.world > 1 else model
+    return args, model, wrapped
+
+
+def build_optimizer(model: torch.nn.Module, cfg: RunConfig):
+    """AdamW with weight decay on matrices only (not on norms), and the lr schedule."""
+    o, s = cfg.train.optim, cfg.train.schedule
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
+    total = cfg.train.max_steps
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda step: lr_factor(step, s.warmup_steps, total, s.decay, s.min_lr_ratio))
+    return opt, sched
+
+
+def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.device):
+    rows = np.stack([shard.sample(int(i), seq_len) for i in indices])  # (B, T+1)
+    t = torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
+    return t[:, :-1], t[:, 1:]  # inputs (B, T), targets (B, T)
+
+
+def _loss(model, x, y, env: Env, precision: str) -> torch.Tensor:
+    with dev.autocast(env.device, precision):
+        logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
+@torch.no_grad()
+def evaluate(model, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
+    """Mean validation loss over the same fixed samples every time, split across ranks."""
+    model.eval()
+    mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
+    n = min(shard.num_samples(T), cfg.train.eval.batches * mb * env.world)
+    mine = np.arange(env.rank, n, env.world)
+    total = torch.zeros(2, device=env.device, dtype=torch.float64)
+    for i in range(0, len(mine), mb):
+        x, y = _batch(shard, mine[i:i + mb], T, env.device)
+        total[0] += _loss(model, x, y, env, cfg.train.precision.dtype).double() * len(x)
+        total[1] += len(x)
+    if env.world > 1:
+        dist.all_reduce(total)
+    model.train()
+    return float(total[0] / total[1].clamp(min=1))
+
+
+def _trainer_state(step: int, consumed: int, sched, scaler) -> dict[str, Any]:
+    return {"step": step, "consumed_samples": consumed, "scheduler": sched.state_dict(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "torch_rng": torch.get_rng_state()}
+
+
+def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
+    r = cfg.train.checkpoint.resume
+    if r is False or r == "false":
+        return None
+    if r is True or r == "auto":
+        return ckpt.latest_valid(ckpt_root)
+    folder = Path(r)
+    problem = ckpt.verify(folder)
+    if problem:
+        raise ValueError(f"train.checkpoint.resume: {problem}")
+    return folder
+
+
+def _restore(folder: Path, model, opt, sched, scaler, env: Env) -> tuple[int, int]:
+    model_state, optim_state, state = ckpt.load(folder, map_location=env.device)
+    model.load_state_dict(model_state, strict=True)
+    opt.load_state_dict(optim_state)
+    sched.load_state_dict(state["scheduler"])
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["torch_rng"].cpu())
+    log.info("resumed from %s (step %d)", folder, state["step"])
+    return int(state["step"]), int(state["consumed_samples"])
+
+
+def _save(out_dir: Path, step: int, consumed: int, model, opt, sched, scaler, args, env: Env, cfg) -> None:
+    if env.main:
+        meta = {"format": "full", "world_size": env.world, "model": args.to_dict(), "consumed_samples": consumed}
+        ckpt.save(out_dir / "checkpoints", step, unwrap_state_dict(model), opt.state_dict(),
+                  _trainer_state(step, consumed, sched, scaler), meta)
+        ckpt.prune(out_dir / "checkpoints", cfg.train.checkpoint.keep_last)
+    if env.world > 1:
+        dist.barrier()
+
+
+def _set_threads(cfg: RunConfig, env: Env) -> None:
+    if env.device.type != "cpu":
+        return
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", env.world))
+    torch.set_num_threads(cfg.train.threads_per_proc or max(1, (os.cpu_count() or 1) // local))
+
+
+def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
+    """Train per cfg.train on the shards in `data_dir`; outputs go to `out_dir`. Returns a summary."""
+    env = _env(cfg)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev.set_current(env.device)
+    _set_threads(cfg, env)
+    torch.manual_seed(cfg.run.seed)
+    data_meta = json.loads((Path(data_dir) / "data_meta.json").read_text())
+    if data_meta["seq_len"] != cfg.data.seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
+    train_shard, val_shard = TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
+    args, model, wrapped = build_model(cfg, data_meta["vocab_size"], env)
+    opt, sched = build_optimizer(model, cfg)
+    t = cfg.train
+    scaler = dev.grad_scaler(env.device, t.precision.dtype, t.precision.loss_scale.init,
+                             t.precision.loss_scale.growth_interval)
+    sampler = GlobalBatchSampler(train_shard.num_samples(cfg.data.seq_len), t.micro_batch_size,
+                                 t.grad_accum_steps, env.world, cfg.run.seed)
+    start, consumed = 0, 0
+    folder = _resume_folder(cfg, Path(out_dir) / "checkpoints")
+    if folder is not None:
+        start, consumed = _restore(folder, model, opt, sched, scaler, env)
+    if env.main:
+        (Path(out_dir) / "model_config.json").write_text(json.dumps({"model": args.to_dict()}, indent=2) + "\n")
+    writer = MetricsWriter(Path(out_dir), enabled=env.main, resume_step=start)
+    loop = _Loop(cfg, env, args, model, wrapped, opt, sched, scaler, sampler, train_shard, val_shard, writer)
+    try:
+        summary = loop.run(start, consumed, Path(out_dir))
+    finally:
+        writer.close()
+    if env.main:
+        (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+class _Loop:
+    """The step loop, with its state gathered in one place."""
+
+    def __init__(self, cfg, env, args, model, wrapped, opt, sched, scaler, sampler, train_shard, val_shard,
+                 writer):
+        self.cfg, self.env, self.args = cfg, env, args
+        self.model, self.wrapped, self.opt, self.sched, self.scaler = model, wrapped, opt, sched, scaler
+        self.sampler, self.train_shard, self.val_shard, self.writer = sampler, train_shard, val_shard, writer
+        t = cfg.train
+        self.tokens_per_step = sampler.global_batch * cfg.data.seq_len
+        peak = t.peak_tflops or dev.peak_tflops(env.device, t.precision.dtype)
+        self.peak_flops = peak * 1e12 * env.world
+        self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
+
+    def _micro_steps(self, step: int, first_step: int, consumed: int) -> torch.Tensor:
+        t, env = self.cfg.train, self.env
+        total = torch.zeros((), device=env.device)
+        for micro in range(t.grad_accum_steps):
+            x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, env.rank),
+                          self.cfg.data.seq_len, env.device)
+            # NOTE: no_sync skips the all-reduce on all but the last micro-step. The first step of a
+            # process stays synchronous: DDP static_graph + no_sync in the very first step trips an
+            # internal assert (pytorch #143580).
+            sync = micro == t.grad_accum_steps - 1 or step == first_step or env.world == 1
+            ctx = contextlib.nullcontext() if sync else self.wrapped.no_sync()
+            with ctx:
+                loss = _loss(self.wrapped, x, y, env, t.precision.dtype)
+                scaled = loss / t.grad_accum_steps
+                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            total += loss.detach()
+        return total / t.grad_accum_steps
+
+    def _optimizer_step(self) -> float:
+        clip = self.cfg.train.optim.clip_grad_norm
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+            if self.scaler.get_scale() < 1.0:
+                log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "
+                            "consider bf16 or a lower lr", self.scaler.get_scale())
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return float(norm)
+
+    def _eval(self, step: int) -> float:
+        val = evaluate(self.wrapped, self.val_shard, self.cfg, self.env)
+        self.writer.eval(step, val)
+        if self.env.main:
+            log.info("step %d: val_loss %.4f  val_ppl %.2f", step, val, math.exp(min(val, 50)))
+        return val
+
+    def run(self, start: int, consumed: int, out_dir: Path) -> dict[str, Any]:
+        t, env = self.cfg.train, self.env
+        val0 = self._eval(start)
+        tok_s_hist: list[float] = []
+        loss = float("nan")
+        t_start = time.perf_counter()
+        for step in range(start, t.max_steps):
+            t0 = time.perf_counter()
+            lr = self.opt.param_groups[0]["lr"]
+            local = self._micro_steps(step, start, consumed)
+            grad_norm = self._optimizer_step()
+            loss = float(_all_mean(local, env))
+            consumed += self.sampler.global_batch
+            dev.synchronize(env.device)
+            dt = time.perf_counter() - t0
+            tok_s = self.tokens_per_step / dt
+            tok_s_hist.append(tok_s)
+            rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
+                   "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
+            if self.scaler is not None:
+                rec["loss_scale"] = float(self.scaler.get_scale())
+            self.writer.step(rec)
+            done = step + 1
+            if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
+                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.2f%%",
+                         done, t.max_steps, loss, lr, grad_norm, tok_s, 100 * rec["mfu"])
+            if not math.isfinite(loss):
+                raise FloatingPointError(f"loss is {loss} at step {done}")
+            if done % t.eval.every_steps == 0 and done != t.max_steps:
+                self._eval(done)
+            if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
+                _save(out_dir, done, consumed, self.model, self.opt, self.sched, self.scaler, self.args, env,
+                      self.cfg)
+        val = self._eval(t.max_steps) if t.max_steps > start else val0
+        steady = tok_s_hist[1:] or tok_s_hist
+        return {"steps": t.max_steps, "resumed_from": start, "final_loss": loss, "val_loss_start": val0,
+                "val_loss": val, "val_ppl": math.exp(min(val, 50)), "world_size": env.world,
+                "global_batch": self.sampler.global_batch, "tokens_per_step": self.tokens_per_step,
+                "tokens_per_s": float(np.mean(steady)) if steady else 0.0,
+                "wall_s": time.perf_counter() - t_start, "params": self.args.num_params(),
+                "peak_memory_bytes": dev.peak_memory_bytes(env.device)}

@@ -1,0 +1,58 @@
+"""The train stage: launch torchrun over llmpipe.train.main and collect what it wrote."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import yaml
+
+from llmpipe import device as dev
+from llmpipe.checkpoint import io as ckpt
+from llmpipe.stages import StageContext, StageError, StageResult
+from llmpipe.train import metrics as metrics_mod
+from llmpipe.train.launch import run_streaming, torchrun_argv
+
+log = logging.getLogger("llmpipe.train")
+
+
+def _env(cfg) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(dev.dist_env(cfg.run.device, cfg.train.dist_timeout_s))
+    env.setdefault("OMP_NUM_THREADS", str(cfg.train.threads_per_proc or
+                                          max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg, out = ctx.cfg, ctx.work_dir
+    data_dir = ctx.inputs["prepare_data"][0]
+    config_path = out / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    argv = torchrun_argv(cfg.train.nproc_per_node, config_path, data_dir, out)
+    log.info("launching: %s", " ".join(argv))
+    code, tail = run_streaming(argv, lambda line: log.info("%s", line), env=_env(cfg))
+    if code != 0:
+        errors = [ln for ln in tail if "error:" in ln or "Error" in ln]
+        detail = (errors or tail or ["no output"])[-1].strip()
+        raise StageError(f"training failed: torchrun exited with {code}: {detail}")
+    final = ckpt.latest_valid(out / "checkpoints")
+    if final is None or ckpt.read_meta(final)["step"] != cfg.train.max_steps:
+        raise StageError(f"training ended without a valid checkpoint at step {cfg.train.max_steps} in {out}")
+    return StageResult(
+        outputs={"checkpoint": final.relative_to(out).as_posix(), "metrics": metrics_mod.METRICS,
+                 "model_config": "model_config.json", "summary": "summary.json", "config": "config.yaml"},
+        metrics=_summary_metrics(out),
+    )
+
+
+def _summary_metrics(out: Path) -> dict:
+    summary = json.loads((out / "summary.json").read_text())
+    records = metrics_mod.read(out / metrics_mod.METRICS)
+    evals = [r for r in records if "val_loss" in r]
+    if evals:  # the first eval of the whole run, even when this attempt resumed
+        summary["val_loss_start"] = evals[0]["val_loss"]
+    return summary

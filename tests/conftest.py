@@ -1,0 +1,68 @@
+"""Shared fixtures: small configs and token shards for fast CPU tests."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from llmpipe import config as config_mod
+from llmpipe.data.shards import token_dtype, write_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def make_cfg(tmp_path: Path, **sections) -> config_mod.RunConfig:
+    """A RunConfig for tests: debug model, tiny batches; `sections` are deep-merged overrides."""
+    tree = {
+        "run": {"name": "t", "artifacts_dir": str(tmp_path / "artifacts"), "device": "cpu", "seed": 7},
+        "data": {"inputs": ["unused"], "seq_len": 32, "val_fraction": 0.1},
+        "model": {"flavor": "debug"},
+        "train": {"nproc_per_node": 1, "micro_batch_size": 4, "grad_accum_steps": 1, "max_steps": 6,
+                  "threads_per_proc": 1, "log_every": 1,
+                  "schedule": {"warmup_steps": 2}, "checkpoint": {"every_steps": 3, "keep_last": 5},
+                  "eval": {"every_steps": 3, "batches": 2}},
+    }
+    for key, value in sections.items():
+        node = tree
+        *parents, last = key.split("__")
+        for p in parents:
+            node = node.setdefault(p, {})
+        if isinstance(value, dict) and isinstance(node.get(last), dict):
+            node[last] = {**node[last], **value}
+        else:
+            node[last] = value
+    return config_mod.from_dict(tree)
+
+
+def synthetic_tokens(n_docs: int, vocab: int, seed: int) -> list[np.ndarray]:
+    """Documents with learnable structure (noisy counting sequences), EOS (=0) at the end."""
+    rng = np.random.default_rng(seed)
+    docs = []
+    for _ in range(n_docs):
+        start, step = rng.integers(1, vocab), rng.integers(1, 3)
+        n = int(rng.integers(40, 160))
+        seq = (start + step * np.arange(n)) % (vocab - 1) + 1
+        noise = rng.random(n) < 0.1
+        seq[noise] = rng.integers(1, vocab, noise.sum())
+        docs.append(np.append(seq, 0))
+    return docs
+
+
+def make_data_dir(folder: Path, seq_len: int = 32, vocab: int = 256, n_docs: int = 200, seed: int = 0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    docs = synthetic_tokens(n_docs, vocab, seed)
+    n_val = max(2, n_docs // 10)
+    write_shard(folder / "val.bin", docs[:n_val], token_dtype(vocab))
+    write_shard(folder / "train.bin", docs[n_val:], token_dtype(vocab))
+    (folder / "data_meta.json").write_text(json.dumps({"vocab_size": vocab, "eos_id": 0, "seq_len": seq_len}))
+    return folder
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    return make_data_dir(tmp_path / "data")
