@@ -1,0 +1,312 @@
+"""The convert_om stage: ONNX -> Ascend OM through CANN's ATC compiler.
+
+Three pieces, each testable alone:
+
+- `build_argv(section, atc, onnx, prefix)`: ATC's command line as a list, a pure function;
+- `run_atc(argv, log_path, timeout_s)`: runs it (no shell) in its own process group, output to atc.log;
+- `parse_errors(text)`: ATC's "E10001: ..." blocks -> `AtcError`s, so a failure reads as one line.
+
+`run(ctx)` ties them together. Without ATC the stage records "skipped" with the reason, or fails
+when `convert_om.required` is true. This module imports nothing heavy: `fingerprint_extra` runs
+whenever fingerprints are computed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from llmpipe.config import ConvertOmSection, RunConfig
+from llmpipe.stages import StageContext, StageError, StageResult
+
+log = logging.getLogger("llmpipe.atc")
+
+OM_PREFIX = "model"  # ATC appends ".om" to --output
+LOG_NAME = "atc.log"
+ARGV_NAME = "argv.json"
+SUCCESS_LINE = "ATC run success"
+FRAMEWORK_ONNX = 5  # ATC's --framework: 0 Caffe, 1 MindSpore, 3 TensorFlow, 5 ONNX
+MIN_GEARS, MAX_GEARS = 2, 100  # ATC's bounds on the number of --dynamic_dims gears
+
+# An error code at the start of a line: E10001, EZ3003, EE9999, EI0006 ... At least one digit after
+# the optional letter, so that a plain "ERROR:" or "EXAMPLE:" line is not taken for a code.
+_CODE_RE = re.compile(r"^(E[A-Z]?[0-9][0-9A-Z]{3,4})\b:\s*(.*)$")
+
+
+# --------------------------------------------------------------------------- argv
+
+
+def _dynamic_dim_count(input_shape: str) -> int:
+    """Number of -1 dims over all inputs of an ATC --input_shape ("name:1,-1;name2:1,-1")."""
+    count = 0
+    for spec in filter(None, (s.strip() for s in input_shape.split(";"))):
+        _, _, dims = spec.rpartition(":")  # input names may themselves contain ':'
+        count += sum(d.strip() == "-1" for d in dims.split(","))
+    return count
+
+
+def _check_dynamic_dims(input_shape: str | None, dynamic_dims: str) -> None:
+    """ATC's rule: every gear gives one value per -1 dim of --input_shape; 2 to 100 gears."""
+    if not input_shape:
+        raise ValueError(f"convert_om.dynamic_dims ({dynamic_dims!r}) needs convert_om.input_shape "
+                         "with -1 dims")
+    n_dynamic = _dynamic_dim_count(input_shape)
+    if n_dynamic == 0:
+        raise ValueError(f"convert_om.dynamic_dims ({dynamic_dims!r}) needs -1 dims in "
+                         f"convert_om.input_shape, but {input_shape!r} has none")
+    gears = [g.strip() for g in dynamic_dims.strip().strip(";").split(";")]
+    if not MIN_GEARS <= len(gears) <= MAX_GEARS:
+        raise ValueError(f"convert_om.dynamic_dims: ATC takes {MIN_GEARS} to {MAX_GEARS} gears, "
+                         f"got {len(gears)} in {dynamic_dims!r}")
+    for i, gear in enumerate(gears, 1):
+        values = [v.strip() for v in gear.split(",")]
+        if len(values) != n_dynamic:
+            raise ValueError(f"convert_om.dynamic_dims: gear {i} ({gear!r}) has {len(values)} values, but "
+                             f"convert_om.input_shape {input_shape!r} has {n_dynamic} -1 dims "
+                             "(one value each)")
+        if not all(v.isdigit() and int(v) > 0 for v in values):
+            raise ValueError(f"convert_om.dynamic_dims: gear {i} ({gear!r}) must be positive integers")
+
+
+def build_argv(section: ConvertOmSection, atc: str, onnx_path: str | os.PathLike,
+               output_prefix: str | os.PathLike) -> list[str]:
+    """ATC's argv for `section`: ONNX at `onnx_path` -> `<output_prefix>.om`. Pure; raises ValueError."""
+    # NOTE: config validates this too, but a section built with model_construct skips validation,
+    # and ATC's own complaint about both flags is far less clear.
+    if section.precision_mode and section.precision_mode_v2:
+        raise ValueError("convert_om: set precision_mode or precision_mode_v2, not both (ATC rejects both)")
+    if section.dynamic_dims:
+        _check_dynamic_dims(section.input_shape, section.dynamic_dims)
+    argv = [
+        str(atc),
+        f"--framework={FRAMEWORK_ONNX}",
+        f"--model={onnx_path}",
+        f"--output={output_prefix}",
+        f"--soc_version={section.soc_version}",
+        "--input_format=ND",  # token ids are not images; ND is also what --dynamic_dims requires
+    ]
+    if section.input_shape:
+        argv.append(f"--input_shape={section.input_shape}")
+    if section.dynamic_dims:
+        argv.append(f"--dynamic_dims={section.dynamic_dims}")
+    if section.precision_mode:
+        argv.append(f"--precision_mode={section.precision_mode}")
+    elif section.precision_mode_v2:
+        argv.append(f"--precision_mode_v2={section.precision_mode_v2}")
+    if section.op_select_implmode:
+        argv.append(f"--op_select_implmode={section.op_select_implmode}")
+    argv.append(f"--log={section.log}")
+    return argv
+
+
+# --------------------------------------------------------------------------- finding ATC
+
+
+def _toolkit_dirs() -> list[str]:
+    """CANN toolkit roots, from llmpipe.device (the one module that knows the hardware).
+
+    NOTE: imported here, not at the top: llmpipe.device imports torch, and this module must stay
+    cheap to import because fingerprint_extra runs whenever fingerprints are computed.
+    """
+    from llmpipe.device import cann_toolkit_dirs
+
+    return cann_toolkit_dirs()
+
+
+def _is_executable(path: str | Path) -> bool:
+    return os.path.isfile(path) and os.access(path, os.X_OK)
+
+
+def find_atc(section: ConvertOmSection) -> str | None:
+    """Path to `atc`: convert_om.atc_path, else PATH, else the CANN toolkit's bin folders; or None."""
+    if section.atc_path:
+        path = os.path.expanduser(section.atc_path)
+        if not _is_executable(path):
+            raise StageError(f"convert_om.atc_path: {section.atc_path!r} is not an executable file")
+        return os.path.abspath(path)
+    found = shutil.which("atc")
+    if found:
+        return found
+    for root in _toolkit_dirs():
+        for candidate in (Path(root) / "bin" / "atc", Path(root) / "compiler" / "bin" / "atc"):
+            if _is_executable(candidate):
+                return str(candidate)
+    return None
+
+
+def fingerprint_extra(cfg: RunConfig) -> dict[str, str | None]:
+    """{"atc": real path of ATC or None}: a machine that gains (or upgrades) ATC re-runs the stage.
+
+    The real path goes through CANN's `latest` symlink, so a toolkit upgrade changes it too. A bad
+    convert_om.atc_path counts as "not found" here; the stage itself reports it when it runs.
+    """
+    try:
+        atc = find_atc(cfg.convert_om)
+    except StageError:
+        atc = None
+    return {"atc": os.path.realpath(atc) if atc else None}
+
+
+# --------------------------------------------------------------------------- ATC's errors
+
+
+@dataclass(frozen=True)
+class AtcError:
+    """One ATC error block: its code, ATC's message, and its "Solution:" line when it gives one."""
+
+    code: str
+    message: str
+    solution: str = ""
+
+    def __str__(self) -> str:
+        text = f"{self.code}: {self.message}"
+        return f"{text} Solution: {self.solution}" if self.solution else text
+
+
+def parse_errors(log_text: str) -> list[AtcError]:
+    """ATC's error blocks, in order. The traceback under each block is ATC's internals: dropped.
+
+    A block is a code line at column 0 ("E10001: Value [x] for parameter [--y] is invalid. ...")
+    followed by indented lines, among them "Solution: ..." and "TraceBack (most recent call last):".
+    """
+    errors: list[AtcError] = []
+    block: dict[str, str] | None = None  # the block being read: code, message, solution
+    in_traceback = False
+    for line in log_text.splitlines():
+        m = _CODE_RE.match(line)
+        if m:
+            if block:
+                errors.append(AtcError(**block))
+            block, in_traceback = {"code": m.group(1), "message": m.group(2).strip(), "solution": ""}, False
+            continue
+        text = line.strip()
+        if block is None or not text:
+            continue
+        if not line[:1].isspace():  # an unindented line ends the block
+            errors.append(AtcError(**block))
+            block = None
+        elif text.startswith("TraceBack"):
+            in_traceback = True
+        elif text.startswith("Solution:") and not in_traceback and not block["solution"]:
+            block["solution"] = text.removeprefix("Solution:").strip()
+    if block:
+        errors.append(AtcError(**block))
+    return errors
+
+
+def failure_summary(log_text: str) -> str:
+    """The first ATC error as one line, else the last non-empty line of the log."""
+    errors = parse_errors(log_text)
+    if errors:
+        return str(errors[0])
+    lines = [ln.strip() for ln in log_text.splitlines() if ln.strip()]
+    return lines[-1] if lines else "(ATC printed nothing)"
+
+
+# --------------------------------------------------------------------------- running ATC
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Kill ATC and whatever it spawned (it forks compiler workers), then reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def run_atc(argv: list[str], log_path: str | Path, timeout_s: float,
+            cwd: str | Path | None = None) -> tuple[int, str]:
+    """Run ATC, stdout and stderr into `log_path`; returns (exit code, log text).
+
+    The environment is inherited untouched (ATC needs CANN's ASCEND_* and LD_LIBRARY_PATH). It runs
+    in `cwd` (default: the log's folder) because ATC writes fusion_result.json and kernel_meta/ into
+    its working directory. Past `timeout_s` its whole process group is killed -> StageError.
+    """
+    log_path = Path(log_path)
+    cwd = Path(cwd) if cwd is not None else log_path.parent
+    with open(log_path, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                cwd=cwd, start_new_session=True)
+        try:
+            returncode = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            raise StageError(f"convert_om.timeout_s={timeout_s:g} exceeded: ATC was killed "
+                             f"(log: {log_path})") from None
+        except BaseException:  # KeyboardInterrupt, a cancelled flow: leave no compiler behind
+            _kill_group(proc)
+            raise
+    return returncode, log_path.read_text(encoding="utf-8", errors="replace")
+
+
+def _om_file(prefix: Path) -> Path | None:
+    """`<prefix>.om`; or the one `<prefix>_<os>_<arch>.om` some ATC versions write instead."""
+    exact = prefix.with_name(prefix.name + ".om")
+    if exact.is_file():
+        return exact
+    variants = sorted(prefix.parent.glob(f"{prefix.name}_*.om"))
+    return variants[0] if len(variants) == 1 else None
+
+
+def convert(argv: list[str], prefix: Path, log_path: Path, timeout_s: float) -> Path:
+    """Run ATC and check all three signs of success; returns `<prefix>.om`, else StageError."""
+    returncode, text = run_atc(argv, log_path, timeout_s, cwd=prefix.parent)
+    if returncode != 0 or SUCCESS_LINE not in text:
+        raise StageError(f"ATC failed (exit {returncode}): {failure_summary(text)} (log: {log_path})")
+    om = _om_file(prefix)
+    if om is None:
+        raise StageError(f"ATC reported success but wrote no {prefix.name}.om in {prefix.parent} "
+                         f"(log: {log_path})")
+    target = prefix.with_name(prefix.name + ".om")
+    if om != target:
+        log.info("ATC wrote %s; renaming it to %s", om.name, target.name)
+        os.replace(om, target)
+    return target
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def _not_found(section: ConvertOmSection) -> StageResult:
+    where = ", ".join(_toolkit_dirs())
+    if section.required:
+        raise StageError(f"convert_om.required is true but ATC was not found (PATH, CANN toolkit in "
+                         f"{where}); install CANN and source set_env.sh, or set convert_om.atc_path")
+    reason = (f"ATC (CANN toolkit) not found on PATH or in {where}; "
+              "set convert_om.required: true to make this an error")
+    log.warning("convert_om skipped: %s", reason)
+    return StageResult(status="skipped", reason=reason, outputs={})
+
+
+def run(ctx: StageContext) -> StageResult:
+    """Compile the export_onnx model to `model.om` with ATC, or record why not."""
+    section = ctx.cfg.convert_om
+    atc = find_atc(section)
+    if atc is None:
+        return _not_found(section)
+    onnx_path = ctx.input_path("export_onnx", "model").resolve()
+    prefix = Path(ctx.work_dir).resolve() / OM_PREFIX
+    try:
+        argv = build_argv(section, atc, onnx_path, prefix)
+    except ValueError as err:
+        raise StageError(str(err)) from None
+    (prefix.parent / ARGV_NAME).write_text(json.dumps(argv, indent=2) + "\n", encoding="utf-8")
+    log.info("running ATC: %s", shlex.join(argv))  # shell quoting for display only; argv runs as a list
+    t0 = time.monotonic()
+    om = convert(argv, prefix, prefix.parent / LOG_NAME, section.timeout_s)
+    seconds = round(time.monotonic() - t0, 3)
+    log.info("ATC wrote %s (%d bytes) in %.1fs", om.name, om.stat().st_size, seconds)
+    return StageResult(
+        outputs={"om": om.name, "log": LOG_NAME, "argv": ARGV_NAME},
+        metrics={"atc": atc, "seconds": seconds, "om_bytes": om.stat().st_size, "argv": argv},
+    )
