@@ -83,7 +83,9 @@ class LossScaleSection(Section):
 
 
 class PrecisionSection(Section):
-    dtype: Literal["fp32", "bf16", "fp16"] = Field("fp32", description="Autocast dtype (fp16 adds a GradScaler).")
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Autocast dtype (fp16 adds a GradScaler); auto: bf16 on npu/cuda, fp32 on cpu "
+        "(CPUs without native bf16 run it an order of magnitude slower).")
     loss_scale: LossScaleSection = Field(default_factory=LossScaleSection)
 
 

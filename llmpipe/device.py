@@ -77,6 +77,13 @@ def dist_env(device_name: str, timeout_s: int) -> dict[str, str]:
     return env
 
 
+def precision(device: torch.device, requested: str) -> str:
+    """Resolve train.precision.dtype: `auto` is bf16 on accelerators, fp32 on CPU."""
+    if requested != "auto":
+        return requested
+    return "fp32" if device.type == "cpu" else "bf16"
+
+
 def dtype(name: str) -> torch.dtype:
     return _DTYPES[name]
 

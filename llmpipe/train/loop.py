@@ -40,6 +40,7 @@ class Env:
     rank: int
     world: int
     device: torch.device
+    precision: str  # fp32 | bf16 | fp16, resolved from train.precision.dtype
 
     @property
     def main(self) -> bool:
@@ -49,7 +50,8 @@ class Env:
 def _env(cfg: RunConfig) -> Env:
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    return Env(rank, world, dev.resolve(cfg.run.device))
+    device = dev.resolve(cfg.run.device)
+    return Env(rank, world, device, dev.precision(device, cfg.train.precision.dtype))
 
 
 def _all_mean(x: torch.Tensor, env: Env) -> torch.Tensor:
@@ -95,8 +97,8 @@ def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.d
     return t[:, :-1], t[:, 1:]  # inputs (B, T), targets (B, T)
 
 
-def _loss(model, x, y, env: Env, precision: str) -> torch.Tensor:
-    with dev.autocast(env.device, precision):
+def _loss(model, x, y, env: Env) -> torch.Tensor:
+    with dev.autocast(env.device, env.precision):
         logits = model(x)  # (B, T, vocab)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
@@ -111,7 +113,7 @@ def evaluate(model, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     total = torch.zeros(2, device=env.device, dtype=torch.float64)
     for i in range(0, len(mine), mb):
         x, y = _batch(shard, mine[i:i + mb], T, env.device)
-        total[0] += _loss(model, x, y, env, cfg.train.precision.dtype).double() * len(x)
+        total[0] += _loss(model, x, y, env).double() * len(x)
         total[1] += len(x)
     if env.world > 1:
         dist.all_reduce(total)
@@ -182,7 +184,7 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     args, model, wrapped = build_model(cfg, data_meta["vocab_size"], env)
     opt, sched = build_optimizer(model, cfg)
     t = cfg.train
-    scaler = dev.grad_scaler(env.device, t.precision.dtype, t.precision.loss_scale.init,
+    scaler = dev.grad_scaler(env.device, env.precision, t.precision.loss_scale.init,
                              t.precision.loss_scale.growth_interval)
     sampler = GlobalBatchSampler(train_shard.num_samples(cfg.data.seq_len), t.micro_batch_size,
                                  t.grad_accum_steps, env.world, cfg.run.seed)
@@ -213,7 +215,7 @@ class _Loop:
         self.sampler, self.train_shard, self.val_shard, self.writer = sampler, train_shard, val_shard, writer
         t = cfg.train
         self.tokens_per_step = sampler.global_batch * cfg.data.seq_len
-        peak = t.peak_tflops or dev.peak_tflops(env.device, t.precision.dtype)
+        peak = t.peak_tflops or dev.peak_tflops(env.device, env.precision)
         self.peak_flops = peak * 1e12 * env.world
         self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
 
@@ -229,7 +231,7 @@ class _Loop:
             sync = micro == t.grad_accum_steps - 1 or step == first_step or env.world == 1
             ctx = contextlib.nullcontext() if sync else self.wrapped.no_sync()
             with ctx:
-                loss = _loss(self.wrapped, x, y, env, t.precision.dtype)
+                loss = _loss(self.wrapped, x, y, env)
                 scaled = loss / t.grad_accum_steps
                 (self.scaler.scale(scaled) if self.scaler else scaled).backward()
             total += loss.detach()

@@ -1,0 +1,46 @@
+"""The flow: prepare_data -> train -> consolidate -> export_onnx -> convert_om -> benchmark.
+
+It only sequences. Each task skips itself when its manifest is up to date, so a rerun after a
+failure re-executes the failed stage and what follows, nothing else.
+
+    --only a,b        run just these stages (each still skipped when up to date, unless force)
+    --from-stage S    re-run S and every later stage (forced); earlier stages must be done
+    --force           re-run every selected stage even when up to date
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
+from prefect import flow, get_run_logger
+
+from llmpipe import config as config_mod
+from llmpipe import report, stages
+from tasks.stages import TASKS
+
+
+@flow(name="train-to-deploy", log_prints=True, retries=0)
+def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: str | None = None,
+                    from_stage: str | None = None, only: list[str] | None = None,
+                    force: bool = False) -> dict[str, Any]:
+    """Run the pipeline for `config` (+ `overrides`, `key=value`); returns each stage's result."""
+    overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
+    cfg = config_mod.load(config, overrides)  # fail fast, before any stage, on a bad config
+    selected = stages.select(from_stage, only)
+    logger = get_run_logger()
+    logger.info("run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
+    results: dict[str, Any] = {}
+    try:
+        for name in selected:
+            results[name] = TASKS[name](config, overrides, force=force or from_stage is not None)
+    finally:
+        path = report.write(cfg)
+        logger.info("report: %s", path)
+    return results
+
+
+if __name__ == "__main__":
+    import sys
+
+    train_to_deploy(sys.argv[1], sys.argv[2:])

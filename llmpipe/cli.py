@@ -1,0 +1,147 @@
+"""`llmpipe` command line.
+
+    llmpipe run CONFIG [--run-name N] [--set k=v ...] [--from-stage S] [--only S1,S2] [--force]
+    llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
+    llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
+    llmpipe report RUN [--artifacts-dir DIR]
+
+User errors print one line, `error: ...`, and exit with status 2 (config) or 1 (a stage failed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+from llmpipe import config as config_mod
+from llmpipe.config import STAGES, ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="llmpipe", description="LLaMA training-to-deployment pipeline.")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("config", help="run config YAML, e.g. configs/tiny.yaml")
+        sp.add_argument("--run-name", help="override run.name (the folder under artifacts/)")
+        sp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config value, e.g. --set train.max_steps=100 (repeatable)")
+        sp.add_argument("--force", action="store_true", help="re-run even when up to date")
+
+    run = sub.add_parser("run", help="run the pipeline as a Prefect flow")
+    common(run)
+    run.add_argument("--from-stage", choices=STAGES, help="re-run this stage and every later one")
+    run.add_argument("--only", help="comma-separated stages to run, e.g. export_onnx,benchmark")
+
+    stage = sub.add_parser("stage", help="run one stage without Prefect")
+    stage.add_argument("stage", choices=STAGES)
+    common(stage)
+
+    status = sub.add_parser("status", help="each stage's state, fingerprint match and duration")
+    status.add_argument("run", help="run name (folder under the artifacts dir)")
+    status.add_argument("--artifacts-dir", default="artifacts")
+    status.add_argument("--config", help="compare against this config instead of the recorded one")
+    status.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
+    rep.add_argument("run")
+    rep.add_argument("--artifacts-dir", default="artifacts")
+    return p
+
+
+def _overrides(args: argparse.Namespace) -> list[str]:
+    return list(args.overrides) + ([f"run.name={args.run_name}"] if args.run_name else [])
+
+
+def _recorded_config(run: str, artifacts_dir: str) -> config_mod.RunConfig:
+    """The config of a run as recorded by its most recently finished stage."""
+    from llmpipe.manifest import Manifest
+
+    if not config_mod.RUN_NAME_RE.match(run):
+        raise ConfigError(f"run {run!r}: not a valid run name")
+    run_dir = Path(artifacts_dir) / run
+    manifests = [m for s in STAGES if (m := Manifest.read(run_dir / f"{STAGES.index(s) + 1:02d}_{s}"))]
+    if not manifests:
+        raise ConfigError(f"{run_dir}: no stage of run {run!r} has finished yet")
+    latest = max(manifests, key=lambda m: m.finished_at)
+    tree = latest.config
+    tree["run"]["artifacts_dir"] = artifacts_dir
+    return config_mod.from_dict(tree, source=f"{run_dir} (recorded config)")
+
+
+def _status(args: argparse.Namespace) -> int:
+    from llmpipe.report import stage_rows
+
+    if args.config:
+        cfg = config_mod.load(args.config, [*args.overrides, f"run.name={args.run}",
+                                            f"run.artifacts_dir={args.artifacts_dir}"])
+    else:
+        cfg = _recorded_config(args.run, args.artifacts_dir)
+    print(f"run {cfg.run.name}: {cfg.run_dir()}")
+    print(f"{'stage':<14} {'state':<10} {'status':<10} {'fingerprint':<13} {'duration':>9}  finished")
+    for r in stage_rows(cfg):
+        dur = f"{r['duration_s']:.1f}s" if r["duration_s"] is not None else "-"
+        print(f"{r['stage']:<14} {r['state']:<10} {r['status']:<10} {r['fingerprint']:<13} {dur:>9}  "
+              f"{r['finished_at']}{'  (' + r['reason'] + ')' if r['reason'] else ''}")
+    return 0
+
+
+def _run_flow(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config, _overrides(args))  # one clear line before Prefect starts
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    from llmpipe.stages import select
+
+    select(args.from_stage, only)  # validates stage names
+    from flows.train_to_deploy import train_to_deploy
+
+    train_to_deploy(config=args.config, overrides=list(args.overrides), run_name=args.run_name,
+                    from_stage=args.from_stage, only=only, force=args.force)
+    print(f"report: {cfg.run_dir() / 'report.html'}")
+    return 0
+
+
+def _run_stage(args: argparse.Namespace) -> int:
+    from llmpipe import report
+    from llmpipe.stages import run_stage
+
+    cfg = config_mod.load(args.config, _overrides(args))
+    manifest, executed = run_stage(args.stage, cfg, force=args.force)
+    report.write(cfg)
+    word = manifest.status if executed else "up to date (skipped)"
+    print(f"{args.stage}: {word}{' - ' + manifest.reason if manifest.reason else ''}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
+                        stream=sys.stderr)
+    from llmpipe.stages import StageError
+
+    try:
+        if args.command == "run":
+            return _run_flow(args)
+        if args.command == "stage":
+            return _run_stage(args)
+        if args.command == "status":
+            return _status(args)
+        from llmpipe import report
+
+        print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")
+        return 0
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except StageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("error: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

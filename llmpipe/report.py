@@ -1,0 +1,140 @@
+"""The run report: artifacts/<run>/report.html, one self-contained page about a run.
+
+Stage table (state, duration, fingerprint, outputs linked), the loss curve, training throughput,
+and the benchmark table. Written after every flow run, also when a stage failed.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from llmpipe.config import STAGES, RunConfig
+from llmpipe.manifest import Manifest
+from llmpipe.stages import fingerprints, stage_dir, state
+
+REPORT = "report.html"
+
+
+def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
+    """One row per stage: state against the current config, status, duration, fingerprint."""
+    fps = fingerprints(cfg)
+    rows = []
+    for name in STAGES:
+        st, manifest = state(cfg, name, fps[name], full=False)
+        rows.append({"stage": name, "state": st, "status": manifest.status if manifest else "-",
+                     "reason": (manifest.reason or "") if manifest else "",
+                     "duration_s": manifest.duration_s if manifest else None,
+                     "fingerprint": manifest.fingerprint[:12] if manifest else "-",
+                     "finished_at": manifest.finished_at if manifest else "",
+                     "outputs": sorted(manifest.outputs) if manifest else []})
+    return rows
+
+
+def _loss_png(metrics_path: Path) -> str | None:
+    """The loss curve as a base64 PNG, or None without metrics."""
+    if not metrics_path.is_file():
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from llmpipe.train.metrics import read
+
+    recs = read(metrics_path)
+    train = [(r["step"], r["loss"]) for r in recs if "loss" in r]
+    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
+    if train:
+        ax.plot(*zip(*train), label="train loss", lw=1)
+    if val:
+        ax.plot(*zip(*val), "o-", label="val loss")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "<p>none</p>"
+    cols = list(rows[0])
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in cols)
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r.get(c))}</td>" for c in cols) + "</tr>" for r in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _cell(v: Any) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return html.escape("" if v is None else str(v))
+
+
+def _stage_section(cfg: RunConfig) -> str:
+    rows = stage_rows(cfg)
+    run_dir = cfg.run_dir()
+    for r in rows:
+        folder = stage_dir(run_dir, r["stage"])
+        links = [f'<a href="{html.escape(folder.name)}/{html.escape(Manifest.read(folder).outputs[o]["path"])}">'
+                 f"{html.escape(o)}</a>" for o in r.pop("outputs")[:8]]
+        r["outputs"] = links
+    cols = ["stage", "state", "status", "reason", "duration_s", "fingerprint", "finished_at"]
+    body = "".join("<tr>" + "".join(f"<td>{_cell(r[c])}</td>" for c in cols)
+                   + f"<td>{' '.join(r['outputs'])}</td></tr>" for r in rows)
+    head = "".join(f"<th>{c}</th>" for c in [*cols, "outputs"])
+    return f"<h2>Stages</h2><table><tr>{head}</tr>{body}</table>"
+
+
+def _train_section(run_dir: Path) -> str:
+    folder = stage_dir(run_dir, "train")
+    m = Manifest.read(folder)
+    if m is None:
+        return ""
+    keys = ("steps", "world_size", "global_batch", "val_loss_start", "val_loss", "val_ppl", "tokens_per_s",
+            "wall_s", "params")
+    summary = {k: m.metrics.get(k) for k in keys}
+    png = _loss_png(folder / "metrics.jsonl")
+    img = f'<img alt="loss curve" src="data:image/png;base64,{png}">' if png else ""
+    return f"<h2>Training</h2>{_table([summary])}{img}"
+
+
+def _bench_section(run_dir: Path) -> str:
+    folder = stage_dir(run_dir, "benchmark")
+    if Manifest.read(folder) is None:
+        return ""
+    from llmpipe.bench.run import load_results, table_rows
+
+    rows = table_rows(load_results(folder))
+    notes = load_results(folder).get("notes", [])
+    notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+    return f'<h2>Benchmark</h2>{_table(rows)}<ul>{notes_html}</ul><img alt="latency" src="{folder.name}/latency.png">'
+
+
+_CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse;margin:1em 0}"
+        "td,th{border:1px solid #ccc;padding:3px 8px;font-size:90%}th{background:#eee}")
+
+
+def write(cfg: RunConfig) -> Path:
+    """Write report.html into the run folder; returns its path."""
+    run_dir = cfg.run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    parts = [f"<h1>llmpipe run {html.escape(cfg.run.name)}</h1>", _stage_section(cfg),
+             _train_section(run_dir), _bench_section(run_dir),
+             f"<h2>Config</h2><pre>{html.escape(json.dumps(cfg.to_dict(), indent=2))}</pre>"]
+    page = f"<!doctype html><html><head><meta charset='utf-8'><title>llmpipe {html.escape(cfg.run.name)}" \
+           f"</title><style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n"
+    path = run_dir / REPORT
+    tmp = path.with_name(f".{REPORT}.tmp")
+    tmp.write_text(page, encoding="utf-8")
+    tmp.replace(path)
+    return path
