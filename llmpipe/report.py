@@ -127,7 +127,8 @@ _CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}table{border-coll
 def write(cfg: RunConfig) -> Path:
     """Write report.html into the run folder; returns its path."""
     run_dir = cfg.run_dir()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not run_dir.is_dir():
+        return run_dir / REPORT  # nothing ran yet: no folder is created just for a report
     parts = [f"<h1>llmpipe run {html.escape(cfg.run.name)}</h1>", _stage_section(cfg),
              _train_section(run_dir), _bench_section(run_dir),
              f"<h2>Config</h2><pre>{html.escape(json.dumps(cfg.to_dict(), indent=2))}</pre>"]

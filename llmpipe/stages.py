@@ -188,13 +188,23 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
             raise StageError(f"{name} needs {dep}, which is {status}; run {dep} first")
         inputs[dep] = (stage_dir(run_dir, dep), manifest)
 
+    created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
     partial = run_dir / f".{final.name}.partial"
     _prepare_partial(partial, fps[name], spec.resumable)
     started, t0 = _now(), time.monotonic()
     log.info("%s: running (fingerprint %s)", name, fps[name][:12])
     ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name])
-    result: StageResult = _resolve(spec.entry)(ctx)
+    try:
+        result: StageResult = _resolve(spec.entry)(ctx)
+    except BaseException:
+        # Nothing half-written stays behind, except a resumable stage's partial folder (training
+        # checkpoints), which the next attempt with the same fingerprint continues from.
+        if not spec.resumable:
+            shutil.rmtree(partial, ignore_errors=True)
+            if created and not any(run_dir.iterdir()):
+                run_dir.rmdir()
+        raise
 
     (partial / ".fingerprint").unlink(missing_ok=True)
     manifest = Manifest(

@@ -1,0 +1,73 @@
+"""Config loading: defaults, overrides, and one clear line for each kind of bad input."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmpipe import config as config_mod
+from llmpipe.config import ConfigError
+from tests.conftest import ROOT
+
+TINY = ROOT / "configs" / "tiny.yaml"
+
+
+def test_tiny_config_loads_and_overrides_apply():
+    cfg = config_mod.load(TINY, ["train.max_steps=7", "train.optim.betas=[0.8, 0.9]", "run.name=x1"])
+    assert cfg.train.max_steps == 7
+    assert cfg.train.optim.betas == (0.8, 0.9)
+    assert cfg.run_dir().name == "x1"
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("train.max_steps=abc", "train.max_steps: Input should be a valid integer"),
+    ("train.max_steps=0", "train.max_steps: Input should be greater than or equal to 1"),
+    ("train.bogus=1", "train.bogus: unknown key"),
+    ("bogus.x=1", "bogus: unknown key"),
+    ("train.precision.dtype=fp8", "train.precision.dtype: Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),
+    ("run.name=../../etc", "run.name: '../../etc' is not a valid run name"),
+    ("run.name=a/b", "run.name: 'a/b' is not a valid run name"),
+    ("data.val_fraction=0.9", "data.val_fraction: Input should be less than 0.5"),
+    ("data.inputs=[]", "data.inputs: List should have at least 1 item"),
+    ("export.opset=19", "export: opset 19 > 18, which ATC cannot read"),
+    ("convert_om.precision_mode=force_fp16", "convert_om: set precision_mode or precision_mode_v2, not both"),
+    ("train.optim.betas=[0.9, 1.5]", "train.optim.betas: each beta must be in [0, 1)"),
+    ("benchmark.variants=[fp64]", "benchmark.variants.0: Input should be 'fp32', 'fp16' or 'int8'"),
+    ("train.parallel.data=horovod", "train.parallel.data: Input should be 'ddp'"),
+    ("run.device=tpu", "run.device: Input should be 'auto', 'cpu', 'cuda' or 'npu'"),
+])
+def test_bad_values_name_the_field(override, expected):
+    with pytest.raises(ConfigError) as err:
+        config_mod.load(TINY, [override])
+    msg = str(err.value)
+    assert expected in msg, msg
+    assert "\n" not in msg
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        config_mod.load(tmp_path / "nope.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: [unclosed\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        config_mod.load(bad)
+    bad.write_text("- a list\n")
+    with pytest.raises(ConfigError, match="top level must be a mapping"):
+        config_mod.load(bad)
+    bad.write_text("run: {name: x}\n")
+    with pytest.raises(ConfigError, match="data: required field is missing"):
+        config_mod.load(bad)
+    bad.write_text("data: {inputs: [x]}\nrun: !!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):  # safe_load refuses python tags
+        config_mod.load(bad)
+
+
+def test_malformed_override():
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        config_mod.load(TINY, ["train.max_steps"])
+    with pytest.raises(ConfigError, match="data.seq_len is not a section"):
+        config_mod.load(TINY, ["data.seq_len.x=1"])
+
+
+def test_run_dir_cannot_escape_artifacts(tmp_path):
+    cfg = config_mod.load(TINY, [f"run.artifacts_dir={tmp_path}"])
+    assert cfg.run_dir().parent == tmp_path.resolve()

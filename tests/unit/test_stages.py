@@ -1,0 +1,92 @@
+"""The stage contract: config-derived fingerprints, skip when done, atomic publish, clean failure."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from llmpipe import cli, config as config_mod, stages
+from llmpipe.manifest import Manifest
+
+
+def _cfg(tmp_path, *overrides):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    for i in range(6):
+        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * (40 + i))
+    tree = {"run": {"name": "s", "artifacts_dir": str(tmp_path / "artifacts")},
+            "data": {"inputs": [str(corpus / "*.txt")], "seq_len": 16, "val_fraction": 0.2,
+                     "tokenizer": {"vocab_size": 300}}}
+    for o in overrides:
+        config_mod.apply_override(tree, o)
+    return config_mod.from_dict(tree)
+
+
+def test_fingerprints_change_only_downstream_of_the_changed_section(tmp_path):
+    a = stages.fingerprints(_cfg(tmp_path))
+    b = stages.fingerprints(_cfg(tmp_path, "export.parity_atol=0.01"))
+    changed = [s for s in a if a[s] != b[s]]
+    assert changed == ["export_onnx", "convert_om", "benchmark"]
+    c = stages.fingerprints(_cfg(tmp_path, "data.seq_len=32"))
+    assert all(a[s] != c[s] for s in a)  # the data change reaches every stage
+
+
+def test_stage_runs_once_then_skips_and_reruns_when_outputs_change(tmp_path):
+    cfg = _cfg(tmp_path)
+    m1, ran1 = stages.run_stage("prepare_data", cfg)
+    m2, ran2 = stages.run_stage("prepare_data", cfg)
+    assert ran1 and not ran2 and m1.fingerprint == m2.fingerprint
+    folder = stages.stage_dir(cfg.run_dir(), "prepare_data")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert {"stage", "status", "fingerprint", "outputs", "metrics", "config", "versions", "started_at",
+            "finished_at"} <= manifest.keys()
+    assert manifest["outputs"]["train_bin"]["sha256"]
+    # a damaged output is detected and the stage runs again
+    (folder / "val.bin").write_bytes(b"junk")
+    assert stages.state(cfg, "prepare_data")[0].startswith("invalid")
+    _, ran3 = stages.run_stage("prepare_data", cfg)
+    assert ran3 and Manifest.read(folder).verify(folder) is None
+
+
+def test_a_stage_needs_its_inputs(tmp_path):
+    with pytest.raises(stages.StageError, match="train needs prepare_data, which is missing"):
+        stages.run_stage("train", _cfg(tmp_path))
+
+
+def test_failed_stage_leaves_nothing_behind(tmp_path):
+    cfg = _cfg(tmp_path, f"data.inputs=['{tmp_path}/none/*.txt']")
+    with pytest.raises(stages.StageError, match=r"data.inputs\[0\]"):
+        stages.run_stage("prepare_data", cfg)
+    assert not (tmp_path / "artifacts").exists() or not any((tmp_path / "artifacts").rglob("*"))
+
+
+def test_select():
+    assert stages.select("export_onnx") == ["export_onnx", "convert_om", "benchmark"]
+    assert stages.select(only=["benchmark", "train"]) == ["train", "benchmark"]
+    with pytest.raises(config_mod.ConfigError, match="unknown stage 'trian'"):
+        stages.select(only=["trian"])
+
+
+def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(f"run: {{artifacts_dir: {tmp_path / 'artifacts'}}}\ndata: {{inputs: ['{tmp_path}/x/*.txt']}}\n")
+    assert cli.main(["stage", "prepare_data", str(cfg_path)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: data.inputs[0]") and "matched no files" in err[-1]
+    assert not (tmp_path / "artifacts" / "tiny").exists()
+    assert cli.main(["stage", "prepare_data", str(cfg_path), "--set", "train.max_steps=-1"]) == 2
+    assert capsys.readouterr().err.strip() == \
+        f"error: {cfg_path}: train.max_steps: Input should be greater than or equal to 1 (got -1)"
+
+
+def test_cli_stage_and_status(tmp_path, capsys):
+    cfg = _cfg(tmp_path)
+    path = tmp_path / "c.yaml"
+    path.write_text(json.dumps(cfg.to_dict()))  # JSON is YAML
+    assert cli.main(["stage", "prepare_data", str(path)]) == 0
+    assert cli.main(["stage", "prepare_data", str(path)]) == 0
+    assert "up to date (skipped)" in capsys.readouterr().out
+    assert cli.main(["status", "s", "--artifacts-dir", str(tmp_path / "artifacts")]) == 0
+    out = capsys.readouterr().out
+    assert "prepare_data   done" in out and "train          missing" in out
