@@ -1,0 +1,35 @@
+# Two commands on a fresh machine:  `make demo`  and  `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.llmpipe-installed
+
+export PREFECT_HOME ?= $(CURDIR)/.prefect
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+export PREFECT_LOGGING_EXTRA_LOGGERS ?= llmpipe
+
+.PHONY: setup demo test lint bench clean-demo
+
+setup: $(STAMP)
+
+# Re-installs only when pyproject.toml changes. torch is pinned first so pip takes the local CPU
+# wheel instead of a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet "torch==2.13.0"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $(STAMP)
+
+demo: setup
+	$(VENV)/bin/llmpipe run configs/tiny.yaml
+
+test: setup
+	$(PY) -m pytest -q
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+bench: setup
+	$(PY) benchmarks/train_throughput.py
+	$(PY) benchmarks/inference.py
