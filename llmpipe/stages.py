@@ -45,7 +45,8 @@ class StageSpec:
 
 
 SPECS: dict[str, StageSpec] = {s.name: s for s in (
-    StageSpec("prepare_data", ("data", "run.seed"), (), "llmpipe.data.prepare:run"),
+    StageSpec("prepare_data", ("data", "run.seed"), (), "llmpipe.data.prepare:run",
+              extra="llmpipe.data.corpus:fingerprint_extra"),
     StageSpec("train", ("model", "train", "run.seed"), ("prepare_data",), "llmpipe.train.stage:run",
               resumable=True),
     StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run"),

@@ -163,3 +163,25 @@ class Corpus:
         stats.bytes += len(raw)
         stats.documents += len(docs)
         return docs
+
+
+def fingerprint_extra(cfg) -> dict[str, Any]:
+    """What the prepare_data fingerprint adds to its config: the matched files' names, sizes and
+    modification times (and the given tokenizer's), so editing the corpus re-runs the stage.
+    Never raises: a pattern matching nothing is reported when the stage runs."""
+    import hashlib
+
+    h = hashlib.sha256()
+    try:
+        files = expand_inputs(cfg.data.inputs, cfg.data.max_files)
+    except StageError as err:
+        return {"inputs_error": str(err)}
+    if cfg.data.tokenizer.path:
+        files.append(Path(cfg.data.tokenizer.path))
+    for p in files:
+        try:
+            st = p.stat()
+            h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+        except OSError:
+            h.update(f"{p}\0missing\n".encode())
+    return {"files": len(files), "stat_digest": h.hexdigest()}

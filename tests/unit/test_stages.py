@@ -14,7 +14,8 @@ def _cfg(tmp_path, *overrides):
     corpus = tmp_path / "corpus"
     corpus.mkdir(exist_ok=True)
     for i in range(6):
-        (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * (40 + i))
+        if not (corpus / f"doc{i}.txt").exists():
+            (corpus / f"doc{i}.txt").write_text(f"document {i}: " + "the quick brown fox jumps. " * (40 + i))
     tree = {"run": {"name": "s", "artifacts_dir": str(tmp_path / "artifacts")},
             "data": {"inputs": [str(corpus / "*.txt")], "seq_len": 16, "val_fraction": 0.2,
                      "tokenizer": {"vocab_size": 300}}}
@@ -90,3 +91,11 @@ def test_cli_stage_and_status(tmp_path, capsys):
     assert cli.main(["status", "s", "--artifacts-dir", str(tmp_path / "artifacts")]) == 0
     out = capsys.readouterr().out
     assert "prepare_data   done" in out and "train          missing" in out
+
+
+def test_editing_the_corpus_reruns_prepare_data(tmp_path):
+    cfg = _cfg(tmp_path)
+    before = stages.fingerprints(cfg)
+    (tmp_path / "corpus" / "doc0.txt").write_text("changed text, different size")
+    after = stages.fingerprints(cfg)
+    assert all(before[s] != after[s] for s in before)
