@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from prefect import flow, get_run_logger
 
+import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
 from llmpipe import report, stages
 from tasks.stages import TASKS

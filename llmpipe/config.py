@@ -28,7 +28,8 @@ class Section(BaseModel):
 class RunSection(Section):
     name: str = Field("tiny", description="Run name: the folder artifacts/<name>/ (letters, digits, . _ -).")
     artifacts_dir: str = Field("artifacts", description="Root folder for all runs' outputs.")
-    device: Literal["auto", "cpu", "cuda", "npu"] = Field("auto", description="Accelerator; auto picks npu > cuda > cpu.")
+    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+        "auto", description="Accelerator; auto picks npu > cuda > cpu.")
     seed: int = Field(1234, ge=0, description="Seed for data split, sampling order and weight init.")
 
     @field_validator("name")

@@ -25,7 +25,8 @@ def checkpoint(tmp_path, data_dir):
 
 
 def test_streaming_writer_matches_safetensors(tmp_path):
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64), "c": torch.randn(2, dtype=torch.bfloat16)}
+    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(2, dtype=torch.bfloat16)}
     write_streaming(tmp_path / "x.safetensors", [(k, tuple(v.shape), v.dtype) for k, v in tensors.items()],
                     tensors.__getitem__)
     back = load_file(str(tmp_path / "x.safetensors"))

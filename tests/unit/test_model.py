@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from llmpipe.models.llama import FLAVORS, ModelArgs, Transformer
-from llmpipe.models.llama import hf
+from llmpipe.models.llama import FLAVORS, ModelArgs, Transformer, hf
 
 
 def _model(seed: int = 0, **kw) -> Transformer:

@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from llmpipe import cli, config as config_mod, stages
+from llmpipe import cli, stages
+from llmpipe import config as config_mod
 from llmpipe.manifest import Manifest
 
 

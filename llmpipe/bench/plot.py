@@ -1,0 +1,53 @@
+"""latency.png: grouped bars of p50 latency, one group per shape, one bar per provider/variant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+# NOTE: Figure + FigureCanvasAgg instead of pyplot: no global backend or figure state, so this is
+# safe in worker threads (Prefect) and on machines without a display.
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+
+def _series(results: dict) -> list[tuple[str, str]]:
+    """(provider, variant) pairs with at least one measured row, in row order."""
+    seen: dict[tuple[str, str], None] = {}
+    for r in results["rows"]:
+        if r["latency_ms"]:
+            seen.setdefault((r["provider"], r["variant"]))
+    return list(seen)
+
+
+def latency_plot(results: dict, path: Path) -> Path:
+    """Write a PNG bar chart of p50 latency (ms) per variant, grouped by (batch x seq) shape."""
+    shapes = [tuple(s) for s in results["shapes"]]
+    series = _series(results)
+    p50 = {(r["batch"], r["seq"], r["provider"], r["variant"]): r["latency_ms"]["p50"]
+           for r in results["rows"] if r["latency_ms"]}
+    one_provider = len({p for p, _ in series}) <= 1
+
+    fig = Figure(figsize=(max(6.0, 1.2 + 0.45 * len(shapes) * max(len(series), 1)), 4.0), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    x = np.arange(len(shapes))
+    width = 0.8 / max(len(series), 1)
+    for i, (provider, variant) in enumerate(series):
+        values = [p50.get((b, s, provider, variant), np.nan) for b, s in shapes]
+        name = "torch eager" if variant == "torch" else f"ORT {variant}"
+        label = name if one_provider else f"{provider} {name}"
+        ax.bar(x + (i - (len(series) - 1) / 2) * width, values, width, label=label)
+    ax.set_xticks(x, [f"{b}x{s}" for b, s in shapes])
+    ax.set_xlabel("batch x seq")
+    ax.set_ylabel("p50 latency (ms)")
+    ax.set_title(f"Prefill latency, {results.get('threads', '?')} threads (lower is better)")
+    ax.grid(axis="y", alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+    else:
+        ax.text(0.5, 0.5, "no successful measurements", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    return Path(path)

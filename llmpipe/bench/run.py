@@ -1,0 +1,336 @@
+"""benchmark stage: ORT FP32 / FP16 / INT8 vs PyTorch eager, per shape and provider.
+
+For every provider, the FP32 ONNX graph runs first (it is the accuracy reference), then each
+variant, then PyTorch eager on the provider's device type; all on the same fixed random input ids.
+Results go to results.json (everything), results.md (the table and notes) and latency.png.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmpipe import device
+from llmpipe.bench.ort import Variant, create_session, make_variants, run_logits
+from llmpipe.bench.plot import latency_plot
+from llmpipe.bench.stats import latency_stats, logit_agreement, speedup, throughput
+from llmpipe.device import OrtProvider
+from llmpipe.export.onnx import check_shapes, random_ids
+from llmpipe.manifest import write_json_atomic
+from llmpipe.models.llama.io import load_model, read_args
+from llmpipe.stages import StageContext, StageError, StageResult
+
+log = logging.getLogger("llmpipe.bench")
+
+RESULTS_FILE, TABLE_FILE, PLOT_FILE, VARIANTS_DIR = "results.json", "results.md", "latency.png", "variants"
+TORCH = "torch"  # the variant name of the PyTorch eager fp32 baseline rows
+ORDER = (TORCH, "fp32", "fp16", "int8")
+
+Shape = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What every measurement shares: the inputs and how to time them."""
+
+    inputs: dict[Shape, np.ndarray]  # (batch, seq) -> fixed random input ids (B, T) int64
+    warmup: int
+    iters: int
+    threads: int
+
+
+def time_calls(fn: Callable[[], Any], warmup: int, iters: int,
+               sync: Callable[[], None] | None = None) -> list[float]:
+    """`warmup` untimed calls, then the wall time (perf_counter seconds) of each of `iters` calls.
+    `sync` waits for an asynchronous device so that the time covers the work."""
+    sync = sync or (lambda: None)
+    for _ in range(warmup):
+        fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+@contextlib.contextmanager
+def torch_threads(n: int):
+    """Temporarily set torch's intra-op thread count (a process-wide setting)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
+def _row(shape: Shape, provider: str, variant: str, seconds: list[float] | None = None,
+         error: str | None = None) -> dict[str, Any]:
+    batch, seq = shape
+    row: dict[str, Any] = {"batch": batch, "seq": seq, "provider": provider, "variant": variant,
+                           "backend": "torch" if variant == TORCH else "onnxruntime", "latency_ms": None,
+                           "sequences_per_s": None, "tokens_per_s": None, "speedup_vs_torch": None,
+                           "accuracy": None, "error": error}
+    if seconds:
+        row["latency_ms"] = latency_stats(seconds)
+        # NOTE: throughput from the mean latency = work done / total timed wall time.
+        row.update(throughput(batch, seq, row["latency_ms"]["mean"]))
+    return row
+
+
+def _log_row(row: dict[str, Any]) -> None:
+    where = f"{row['provider']} {row['variant']} {row['batch']}x{row['seq']}"
+    if row["error"]:
+        log.warning("%s: %s", where, row["error"])
+        return
+    acc = row["accuracy"] or {}
+    log.info("%s: p50 %.3f ms, p99 %.3f ms, %.0f tokens/s, max abs diff %s", where, row["latency_ms"]["p50"],
+             row["latency_ms"]["p99"], row["tokens_per_s"], acc.get("max_abs_diff", "-"))
+
+
+def _error(err: BaseException) -> str:
+    return f"{type(err).__name__}: {str(err).strip().splitlines()[0] if str(err).strip() else ''}"
+
+
+def measure_variant(variant: Variant, provider: OrtProvider, plan: Plan, refs: dict[Shape, np.ndarray],
+                    timed: bool = True) -> list[dict]:
+    """Rows for one ORT variant on one provider, one per shape. The fp32 variant fills `refs`
+    (shape -> logits); others are compared with it. A load or run failure becomes an error row."""
+    fail = lambda msg: [_row(s, provider.name, variant.name, error=msg) for s in plan.inputs] if timed else []
+    if variant.error:
+        return fail(f"conversion failed: {variant.error}")
+    try:
+        session = create_session(variant.path, provider, plan.threads)
+    except Exception as err:  # a variant that cannot load here is a result
+        return fail(f"cannot load: {_error(err)}")
+    rows = []
+    for shape, ids in plan.inputs.items():
+        try:
+            call = partial(run_logits, session, ids)
+            seconds = time_calls(call, plan.warmup, plan.iters) if timed else None
+            logits = run_logits(session, ids)  # (B, T, vocab)
+        except Exception as err:  # a failed run is a result too
+            if timed:
+                rows.append(_row(shape, provider.name, variant.name, error=f"run failed: {_error(err)}"))
+            continue
+        if variant.name == "fp32":
+            refs[shape] = logits
+        if not timed:
+            continue
+        row = _row(shape, provider.name, variant.name, seconds)
+        if shape in refs:
+            row["accuracy"] = logit_agreement(refs[shape], logits)
+        _log_row(row)
+        rows.append(row)
+    return rows
+
+
+def measure_torch(model: torch.nn.Module, provider: OrtProvider, plan: Plan,
+                  refs: dict[Shape, np.ndarray]) -> list[dict]:
+    """PyTorch eager fp32 rows on the provider's device type (inference_mode, `threads` threads)."""
+    try:
+        dev = device.resolve(provider.name)
+    except RuntimeError as err:
+        return [_row(s, provider.name, TORCH, error=_error(err)) for s in plan.inputs]
+    model.to(dev)
+    rows = []
+    try:
+        with torch.inference_mode(), torch_threads(plan.threads):
+            for shape, ids in plan.inputs.items():
+                x = torch.from_numpy(ids).to(dev)  # (B, T)
+                seconds = time_calls(partial(model, x), plan.warmup, plan.iters,
+                                     sync=partial(device.synchronize, dev))
+                logits = model(x).float().cpu().numpy()  # (B, T, vocab)
+                row = _row(shape, provider.name, TORCH, seconds)
+                if shape in refs:  # ORT fp32 vs PyTorch: the export parity at this shape
+                    row["accuracy"] = logit_agreement(refs[shape], logits)
+                _log_row(row)
+                rows.append(row)
+    finally:
+        model.to("cpu")
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """speedup_vs_torch = torch p50 / row p50, for rows with a torch row of the same shape and provider."""
+    base = {(r["batch"], r["seq"], r["provider"]): r["latency_ms"]["p50"]
+            for r in rows if r["variant"] == TORCH and r["latency_ms"]}
+    for r in rows:
+        key = (r["batch"], r["seq"], r["provider"])
+        if r["latency_ms"] and key in base:
+            r["speedup_vs_torch"] = speedup(base[key], r["latency_ms"]["p50"])
+
+
+def notes(providers: Sequence[OrtProvider], variants: Sequence[str], threads: int, warmup: int, iters: int,
+          torch_baseline: bool) -> list[str]:
+    """Plain-language caveats that belong next to the numbers."""
+    out = [f"Each row: {warmup} warm-up + {iters} timed calls on the same fixed random input ids; "
+           f"{threads} intra-op threads for onnxruntime and PyTorch; tokens/s = batch*seq / mean latency.",
+           "Accuracy columns compare with the FP32 onnxruntime variant on the same provider and inputs "
+           "(for the torch row: PyTorch vs ONNX parity)."]
+    if "fp16" in variants and any(p.name == "cpu" for p in providers):
+        out.append("cpu: onnxruntime has no fast FP16 MatMul kernels on CPU, so the FP16 variant is not "
+                   "expected to beat FP32 there; its CPU row shows the accuracy cost (FP16 pays on GPU/NPU).")
+    if "int8" in variants:
+        out.append("int8: dynamic quantization (QInt8 MatMul/Gemm weights, 7-bit reduce_range; activations "
+                   "quantized per call); its gain grows with model size, on tiny models overhead can win.")
+    if "fp32" not in variants:
+        out.append("fp32 is not in benchmark.variants: it ran untimed, as the accuracy reference.")
+    if not torch_baseline:
+        out.append("benchmark.torch_baseline is false: no PyTorch rows, no speed-up column.")
+    return out
+
+
+def benchmark(variants: dict[str, Variant], providers: Sequence[OrtProvider],
+              shapes: Sequence[Sequence[int]], *, requested: Sequence[str], vocab_size: int, warmup: int,
+              iters: int, threads: int | None = None, seed: int = 0,
+              torch_model: torch.nn.Module | None = None, root: Path | None = None) -> dict:
+    """Measure every requested variant (and PyTorch eager when `torch_model` is given) on every
+    provider and shape. Returns the results dict written to results.json."""
+    threads = threads or os.cpu_count() or 1
+    shapes = [(int(b), int(s)) for b, s in shapes]
+    inputs = {shape: random_ids(*shape, vocab_size, seed + i) for i, shape in enumerate(shapes)}
+    plan = Plan(inputs, warmup, iters, threads)
+    rows: list[dict] = []
+    for provider in providers:
+        refs: dict[Shape, np.ndarray] = {}
+        for name in ["fp32", *(v for v in requested if v != "fp32")]:
+            rows += measure_variant(variants[name], provider, plan, refs, timed=name in requested)
+        if torch_model is not None:
+            rows += measure_torch(torch_model, provider, plan, refs)
+    add_speedups(rows)
+    pnames = [p.name for p in providers]
+    rows.sort(key=lambda r: (shapes.index((r["batch"], r["seq"])), pnames.index(r["provider"]),
+                             ORDER.index(r["variant"])))
+    return {
+        "threads": threads, "warmup": warmup, "iters": iters, "seed": seed,
+        "shapes": [list(s) for s in shapes], "providers": pnames,
+        "variants": {n: {"file": _shown(v.path, root), "bytes": v.nbytes(), "error": v.error}
+                     for n, v in variants.items()},
+        "rows": rows,
+        "notes": notes(providers, requested, threads, warmup, iters, torch_model is not None),
+    }
+
+
+def _shown(path: Path | None, root: Path | None) -> str | None:
+    if path is None:
+        return None
+    if root is not None and path.resolve().is_relative_to(root.resolve()):
+        return path.resolve().relative_to(root.resolve()).as_posix()
+    return str(path)
+
+
+def load_results(folder: str | Path) -> dict:
+    """The results dict of a finished benchmark stage folder (its results.json)."""
+    return json.loads((Path(folder) / RESULTS_FILE).read_text(encoding="utf-8"))
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table_rows(results: dict) -> list[dict[str, Any]]:
+    """One flat dict per measurement (for a Prefect table artifact); None where not measured."""
+    out = []
+    for r in results["rows"]:
+        lat, acc = r["latency_ms"] or {}, r["accuracy"] or {}
+        out.append({
+            "shape": f"{r['batch']}x{r['seq']}", "provider": r["provider"], "variant": r["variant"],
+            "p50_ms": lat.get("p50"), "p90_ms": lat.get("p90"), "p99_ms": lat.get("p99"),
+            "tokens_per_s": r["tokens_per_s"], "speedup_vs_torch": r["speedup_vs_torch"],
+            "max_abs_diff": acc.get("max_abs_diff"), "top1_agreement": acc.get("top1_agreement"),
+            "error": r["error"],
+        })
+    return out
+
+
+def markdown_table(results: dict, with_notes: bool = True) -> str:
+    """The results as a markdown table (shape, provider, variant, latencies, tokens/s, speed-up,
+    accuracy), followed by the notes unless `with_notes` is false."""
+    lines = ["| shape | provider | variant | p50 ms | p90 ms | p99 ms | tokens/s | speedup vs torch "
+             "| max abs diff | top-1 |", "|---|---|---|--:|--:|--:|--:|--:|--:|--:|"]
+    for t in table_rows(results):
+        if t["error"]:
+            cells = [t["error"][:120].replace("|", "/")] + ["-"] * 6
+        else:
+            cells = [_fmt(t["p50_ms"], ".2f"), _fmt(t["p90_ms"], ".2f"), _fmt(t["p99_ms"], ".2f"),
+                     _fmt(t["tokens_per_s"], ",.0f"),
+                     "-" if t["speedup_vs_torch"] is None else f"{t['speedup_vs_torch']:.2f}x",
+                     _fmt(t["max_abs_diff"], ".2e"), _fmt(t["top1_agreement"], ".3f")]
+        lines.append("| " + " | ".join([t["shape"], t["provider"], t["variant"], *cells]) + " |")
+    if with_notes and results.get("notes"):
+        lines += ["", *(f"- {n}" for n in results["notes"])]
+    return "\n".join(lines) + "\n"
+
+
+def summary(results: dict) -> dict[str, Any]:
+    """Compact manifest metrics: per provider/variant p50, speed-up and accuracy at the first shape."""
+    b, s = results["shapes"][0]
+    first = [r for r in results["rows"] if (r["batch"], r["seq"]) == (b, s) and r["latency_ms"]]
+    key = lambda r: f"{r['provider']}/{r['variant']}"
+    return {
+        "shape": f"{b}x{s}", "threads": results["threads"],
+        "p50_ms": {key(r): round(r["latency_ms"]["p50"], 4) for r in first},
+        "speedup_vs_torch": {key(r): round(r["speedup_vs_torch"], 3) for r in first
+                             if r["speedup_vs_torch"] is not None and r["variant"] != TORCH},
+        "max_abs_diff": {key(r): r["accuracy"]["max_abs_diff"] for r in first if r["accuracy"]},
+        "top1_agreement": {key(r): r["accuracy"]["top1_agreement"] for r in first if r["accuracy"]},
+        "errors": sum(1 for r in results["rows"] if r["error"]),
+    }
+
+
+def om_status(ctx: StageContext) -> str:
+    """Why the OM model is (not) in the table."""
+    entry = ctx.inputs.get("convert_om")
+    if entry is None:
+        return "om: not measured, no convert_om result"
+    manifest = entry[1]
+    if manifest.status != "completed":
+        why = f" ({manifest.reason})" if manifest.reason else ""
+        return f"om: not measured, convert_om was {manifest.status}{why}"
+    if shutil.which("ais_bench") is None:
+        return "om: not measured, ais_bench not found"
+    return "om: not measured, ais_bench found but OM benchmarking is not implemented yet"
+
+
+def run(ctx: StageContext) -> StageResult:
+    """The benchmark stage: results.json, results.md, latency.png and variants/ in ctx.work_dir."""
+    cfg = ctx.cfg.benchmark
+    onnx_path = ctx.input_path("export_onnx", "model")
+    model_dir = ctx.input_path("consolidate", "model").parent
+    try:
+        args = read_args(model_dir)
+        providers = device.ort_providers(cfg.providers)
+    except ValueError as err:
+        raise StageError(str(err)) from None
+    check_shapes(cfg.shapes, args.max_seq_len, "benchmark.shapes")
+    variants = make_variants(onnx_path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR)
+    torch_model = load_model(model_dir, dtype=torch.float32) if cfg.torch_baseline else None
+    results = benchmark(variants, providers, cfg.shapes, requested=list(cfg.variants),
+                        vocab_size=args.vocab_size, warmup=cfg.warmup, iters=cfg.iters, threads=cfg.threads,
+                        seed=ctx.cfg.run.seed, torch_model=torch_model, root=ctx.work_dir)
+    results["om"] = om_status(ctx)
+    results["notes"].append(results["om"])
+    write_json_atomic(ctx.work_dir / RESULTS_FILE, results)
+    (ctx.work_dir / TABLE_FILE).write_text(f"# Benchmark: {ctx.cfg.run.name}\n\n{markdown_table(results)}",
+                                           encoding="utf-8")
+    latency_plot(results, ctx.work_dir / PLOT_FILE)
+    outputs = {"results": RESULTS_FILE, "table": TABLE_FILE, "plot": PLOT_FILE}
+    if any(p.is_file() for p in (ctx.work_dir / VARIANTS_DIR).rglob("*")):
+        outputs["variants"] = VARIANTS_DIR
+    return StageResult(outputs=outputs, metrics=summary(results))

@@ -1,0 +1,198 @@
+"""export_onnx stage: consolidated weights -> ONNX prefill graph, checked, with ORT parity numbers.
+
+The prefill graph maps `input_ids` int64 (batch, seq) to `logits` float32 (batch, seq, vocab) with
+dynamic batch and sequence axes. Each graph has its own export function over the shared
+`_export_graph`, so a KV-cache decoder (decoder_with_past.onnx) can be added beside
+`export_prefill` without touching it.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+from torch import nn
+
+from llmpipe import device
+from llmpipe.bench.stats import logit_agreement
+from llmpipe.manifest import write_json_atomic
+from llmpipe.models.llama.io import load_model
+from llmpipe.models.llama.model import Transformer
+from llmpipe.stages import StageContext, StageError, StageResult
+
+log = logging.getLogger("llmpipe.export")
+
+MODEL_FILE = "model.onnx"
+PARITY_FILE = "parity.json"
+# Protobuf cannot serialize a message over 2 GiB; above this many bytes of weights the tensors go
+# to one external data file beside the graph (`<graph>.data`).
+EXTERNAL_DATA_BYTES = int(1.8e9)
+# NOTE: trace with batch != seq and neither equal to 1: the tracer may bake a size-1 dimension
+# into broadcasts, or confuse two equal dimensions, which would break the dynamic axes.
+TRACE_SHAPE = (2, 16)
+
+
+def random_ids(batch: int, seq: int, vocab_size: int, seed: int) -> np.ndarray:
+    """Reproducible random token ids (batch, seq) int64 in [0, vocab_size)."""
+    return np.random.default_rng(seed).integers(0, vocab_size, size=(batch, seq), dtype=np.int64)
+
+
+def check_shapes(shapes: Sequence[Sequence[int]], max_seq_len: int, key: str) -> None:
+    """Raise StageError unless every (batch, seq) is positive and seq fits the model."""
+    for batch, seq in shapes:
+        if batch < 1 or seq < 1:
+            raise StageError(f"{key}: ({batch}, {seq}) must have batch >= 1 and seq >= 1")
+        if seq > max_seq_len:
+            raise StageError(f"{key}: seq {seq} in ({batch}, {seq}) exceeds the model's max_seq_len "
+                             f"{max_seq_len}")
+
+
+def weight_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+def model_files(path: Path) -> list[Path]:
+    """The ONNX graph file and its external data file, when it has one."""
+    data = path.with_name(path.name + ".data")
+    return [path, data] if data.is_file() else [path]
+
+
+def save_model(proto: onnx.ModelProto, path: Path, external: bool) -> list[Path]:
+    """Write `proto` to `path`; with `external`, all tensors (initializers and Constant nodes, such as
+    the RoPE tables) go to one `<name>.data` file beside it."""
+    path.with_name(path.name + ".data").unlink(missing_ok=True)
+    if external:
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=path.name + ".data", size_threshold=1024, convert_attribute=True)
+    else:
+        onnx.save_model(proto, str(path))
+    return model_files(path)
+
+
+def _export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, opset: int,
+                  input_names: list[str], output_names: list[str],
+                  dynamic_axes: dict[str, dict[int, str]], external: bool) -> list[Path]:
+    """Trace `module` on `args` into an ONNX file (or graph + external data); returns the files."""
+    # NOTE: the legacy TorchScript exporter (dynamo=False) on purpose: the dynamo exporter's lowest
+    # opset is 18, and ATC reads opsets 9-18, so opset 17 (the default) needs the legacy one.
+    target = path
+    if external:  # export next to a scratch name, then gather the tensors into one data file
+        scratch = path.parent / f".{path.stem}-export"
+        scratch.mkdir(exist_ok=True)
+        target = scratch / path.name
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore", DeprecationWarning)  # "legacy TorchScript-based ONNX export"
+        # NOTE: TracerWarning comes from `if rep > 1` (GQA) in the model: head counts are fixed per
+        # model, so the traced branch is the right one for every input shape.
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        torch.onnx.export(module, args, str(target), input_names=input_names, output_names=output_names,
+                          dynamic_axes=dynamic_axes, opset_version=opset, do_constant_folding=True,
+                          dynamo=False)
+    if not external:
+        return model_files(path)
+    # NOTE: onnx.load pulls the weights back into memory (about the model's size again); the
+    # exporter scatters >2 GiB models over one file per tensor, which ATC and users dislike.
+    files = save_model(onnx.load(str(target)), path, external=True)
+    shutil.rmtree(target.parent)
+    return files
+
+
+def export_prefill(model: Transformer, path: Path, opset: int,
+                   external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
+    """Export the prefill graph: input_ids (batch, seq) int64 -> logits (batch, seq, vocab) float32,
+    batch and seq dynamic. External data when the weights exceed `external_data_bytes`."""
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("export_prefill needs an fp32 model (load it with dtype=torch.float32)")
+    model.eval()
+    batch, seq = TRACE_SHAPE[0], min(TRACE_SHAPE[1], model.args.max_seq_len)
+    ids = torch.from_numpy(random_ids(batch, seq, model.args.vocab_size, seed=0))  # (B, T)
+    axes = {0: "batch", 1: "seq"}
+    return _export_graph(model, (ids,), Path(path), opset, ["input_ids"], ["logits"],
+                         {"input_ids": axes, "logits": axes},
+                         external=weight_bytes(model) > external_data_bytes)
+
+
+def check_model(path: Path) -> None:
+    """onnx.checker on the file: by path, so models with external data (> 2 GiB) work too."""
+    onnx.checker.check_model(str(path))
+
+
+def file_opset(path: Path) -> int:
+    """The default-domain opset an ONNX file declares (the graph only, weights are not read)."""
+    proto = onnx.load(str(path), load_external_data=False)
+    return next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx"))
+
+
+def parity(model: Transformer, onnx_path: Path, shapes: Sequence[Sequence[int]], seed: int) -> dict[str, Any]:
+    """PyTorch fp32 vs onnxruntime (CPU) logits on random ids for each (batch, seq)."""
+    provider = device.ort_providers(["cpu"])[0]
+    session = ort.InferenceSession(str(onnx_path), providers=[provider.ort_name])
+    per_shape = []
+    for i, (batch, seq) in enumerate(shapes):
+        ids = random_ids(batch, seq, model.args.vocab_size, seed + i)  # (B, T)
+        with torch.inference_mode():
+            ref = model(torch.from_numpy(ids)).float().numpy()  # (B, T, vocab)
+        out = session.run(["logits"], {"input_ids": ids})[0]
+        agree = logit_agreement(ref, out)
+        per_shape.append({"batch": batch, "seq": seq, **agree})
+        log.info("parity %dx%d: max abs diff %.3g, mean %.3g, top-1 agreement %.4f", batch, seq,
+                 agree["max_abs_diff"], agree["mean_abs_diff"], agree["top1_agreement"])
+    return {
+        "provider": provider.name,
+        "shapes": per_shape,
+        "max_abs_diff": max(s["max_abs_diff"] for s in per_shape),
+        "mean_abs_diff": float(np.mean([s["mean_abs_diff"] for s in per_shape])),
+        "top1_agreement": min(s["top1_agreement"] for s in per_shape),
+    }
+
+
+def _load(ctx: StageContext) -> Transformer:
+    folder = ctx.input_path("consolidate", "model").parent
+    try:
+        return load_model(folder, dtype=torch.float32, device="cpu")
+    except (ValueError, OSError, RuntimeError) as err:
+        raise StageError(f"export_onnx: cannot load the consolidated model in {folder}: {err}") from None
+
+
+def run(ctx: StageContext) -> StageResult:
+    """The export_onnx stage: model.onnx (+ model.onnx.data) and parity.json in ctx.work_dir."""
+    cfg = ctx.cfg.export
+    model = _load(ctx)
+    check_shapes(cfg.parity_shapes, model.args.max_seq_len, "export.parity_shapes")
+    path = ctx.work_dir / MODEL_FILE
+    t0 = time.perf_counter()
+    files = export_prefill(model, path, cfg.opset)
+    check_model(path)
+    export_s = time.perf_counter() - t0
+    log.info("exported %s (%d bytes) in %.1fs", path, sum(f.stat().st_size for f in files), export_s)
+
+    report = parity(model, path, cfg.parity_shapes, ctx.cfg.run.seed)
+    report = {"atol": cfg.parity_atol, "passed": report["max_abs_diff"] <= cfg.parity_atol, **report}
+    write_json_atomic(ctx.work_dir / PARITY_FILE, report)
+    if not report["passed"]:
+        raise StageError(f"export_onnx: ONNX Runtime logits differ from PyTorch by up to "
+                         f"{report['max_abs_diff']:.3g}, above export.parity_atol={cfg.parity_atol:g} "
+                         f"(details in {PARITY_FILE})")
+
+    outputs = {"model": MODEL_FILE, "parity": PARITY_FILE}
+    if len(files) > 1:
+        outputs["model_data"] = files[1].name
+    metrics = {
+        "opset": file_opset(path),
+        "onnx_bytes": sum(f.stat().st_size for f in files),
+        "external_data": len(files) > 1,
+        "parity_max_abs_diff": report["max_abs_diff"],
+        "parity_mean_abs_diff": report["mean_abs_diff"],
+        "parity_top1_agreement": report["top1_agreement"],
+        "export_seconds": round(export_s, 3),
+    }
+    return StageResult(outputs=outputs, metrics=metrics)
