@@ -1,12 +1,10 @@
 """Training checkpoints: atomic save, sha256 verification, newest-valid lookup, retention.
 
-A checkpoint is a folder `step-NNNNNN/` holding
-    model.safetensors   the full (unsharded) model state, fp32 master weights
-    optimizer.pt        optimizer state dict (tensors, numbers: loads with weights_only=True)
-    trainer_state.pt    step, consumed samples, scheduler, loss scaler, RNG
-    meta.json           format, step, world size, model args, and the sha256 of every file above
-It is written into `step-NNNNNN.tmp/` and renamed into place, with meta.json written last, so a
-folder without a valid meta.json is never trusted.
+A checkpoint is a folder `step-NNNNNN/` holding what the data-parallel strategy writes (for
+format "full", from DDP: model.safetensors, optimizer.pt, trainer_state.pt) and meta.json: format,
+step, world size, model args, and the sha256 of every other file. It is written into
+`step-NNNNNN.tmp/` and renamed into place with meta.json written last, so a folder without a valid
+meta.json is never trusted.
 """
 
 from __future__ import annotations
@@ -16,20 +14,16 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
-
-import torch
-from safetensors.torch import load_file, save_file
 
 from llmpipe.manifest import sha256_file
 
 log = logging.getLogger("llmpipe.checkpoint")
 
 META = "meta.json"
-MODEL = "model.safetensors"
-OPTIM = "optimizer.pt"
-TRAINER = "trainer_state.pt"
+MODEL = "model.safetensors"  # the full-format weights file
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 
@@ -37,22 +31,26 @@ def step_dir(root: Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def save(root: Path, step: int, model_state: dict[str, torch.Tensor], optim_state: dict, trainer_state: dict,
-         meta: dict[str, Any]) -> Path:
-    """Write one checkpoint atomically; returns its folder."""
+def save(root: Path, step: int, write: Callable[[Path], None], meta: dict[str, Any], rank: int = 0,
+         barrier: Callable[[], None] = lambda: None) -> Path:
+    """Write one checkpoint atomically. Every rank calls this; `write(folder)` writes that rank's
+    files; then rank 0 hashes every file into meta.json and renames the folder into place."""
     final = step_dir(root, step)
     tmp = final.with_name(final.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    save_file({k: v.detach().contiguous().cpu() for k, v in model_state.items()}, str(tmp / MODEL))
-    torch.save(optim_state, tmp / OPTIM)
-    torch.save(trainer_state, tmp / TRAINER)
-    files = {name: sha256_file(tmp / name) for name in (MODEL, OPTIM, TRAINER)}
-    (tmp / META).write_text(json.dumps({**meta, "step": step, "files": files}, indent=2) + "\n")
-    if final.exists():  # a previous attempt's checkpoint at the same step
-        shutil.rmtree(final)
-    os.replace(tmp, final)
+    if rank == 0:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+    barrier()
+    write(tmp)
+    barrier()
+    if rank == 0:
+        files = {p.relative_to(tmp).as_posix(): sha256_file(p) for p in sorted(tmp.rglob("*")) if p.is_file()}
+        (tmp / META).write_text(json.dumps({**meta, "step": step, "files": files}, indent=2) + "\n")
+        if final.exists():  # a previous attempt's checkpoint at the same step
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    barrier()
     return final
 
 
@@ -99,14 +97,3 @@ def prune(root: Path, keep_last: int) -> None:
 
 def read_meta(folder: Path) -> dict[str, Any]:
     return json.loads((Path(folder) / META).read_text())
-
-
-def load(folder: Path, map_location: str | torch.device = "cpu") -> tuple[dict, dict, dict]:
-    """(model_state, optim_state, trainer_state) of a verified checkpoint."""
-    problem = verify(folder)
-    if problem:
-        raise ValueError(f"checkpoint {folder}: {problem}")
-    model_state = load_file(str(Path(folder) / MODEL), device=str(map_location))
-    optim_state = torch.load(Path(folder) / OPTIM, map_location=map_location, weights_only=True)
-    trainer_state = torch.load(Path(folder) / TRAINER, map_location=map_location, weights_only=True)
-    return model_state, optim_state, trainer_state

@@ -1,0 +1,13 @@
+"""Data-parallel strategies, chosen by train.parallel.data."""
+
+from __future__ import annotations
+
+
+def build_strategy(cfg, env, model, optimizer, scheduler):
+    """The strategy for cfg.train.parallel.data, wrapping a materialised, initialised model."""
+    kind = cfg.train.parallel.data
+    if kind == "ddp":
+        from llmpipe.parallel.ddp import DDPStrategy
+
+        return DDPStrategy(cfg, env, model, optimizer, scheduler)
+    raise ValueError(f"train.parallel.data: unknown strategy {kind!r}")

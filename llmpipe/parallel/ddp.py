@@ -1,10 +1,21 @@
-"""Data parallel with torch DDP, configured from train.parallel."""
+"""Data parallel with torch DDP (or a single process): full replicas, gradients all-reduced."""
 
 from __future__ import annotations
 
+import contextlib
+from pathlib import Path
+from typing import Any
+
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from llmpipe import device as dev
+from llmpipe.models.llama.parallelize import unwrap_state_dict
+from llmpipe.parallel.base import Strategy
+
+MODEL, OPTIM, TRAINER = "model.safetensors", "optimizer.pt", "trainer_state.pt"
 
 
 def apply_ddp(model: nn.Module, device: torch.device, parallel) -> DDP:
@@ -17,3 +28,69 @@ def apply_ddp(model: nn.Module, device: torch.device, parallel) -> DDP:
         static_graph=parallel.static_graph,
         broadcast_buffers=parallel.broadcast_buffers,
     )
+
+
+class DDPStrategy(Strategy):
+    """DDP across ranks (plain module in one process); torch AdamW; autocast + GradScaler for fp16."""
+
+    format = "full"
+
+    def __init__(self, cfg, env, model: nn.Module, optimizer, scheduler):
+        self.cfg, self.env, self.model = cfg, env, model
+        self.module = apply_ddp(model, env.device, cfg.train.parallel) if env.world > 1 else model
+        self.opt, self.sched = optimizer, scheduler
+        ls = cfg.train.precision.loss_scale
+        self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
+        self.accum = cfg.train.grad_accum_steps
+
+    def forward_context(self):
+        return dev.autocast(self.env.device, self.env.precision)
+
+    def micro_context(self, sync: bool):
+        return contextlib.nullcontext() if sync or self.env.world == 1 else self.module.no_sync()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaled = loss / self.accum
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+
+    def step(self) -> float:
+        clip = self.cfg.train.optim.clip_grad_norm
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
+        if self.env.rank != 0:  # replicas are identical: rank 0 writes the whole state
+            return
+        save_file({k: v.detach().contiguous().cpu() for k, v in unwrap_state_dict(self.module).items()},
+                  str(folder / MODEL))
+        torch.save(self.opt.state_dict(), folder / OPTIM)
+        torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
+                    "scaler": self.scaler.state_dict() if self.scaler is not None else None}, folder / TRAINER)
+
+    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
+        device = self.env.device
+        self.model.load_state_dict(load_file(str(folder / MODEL), device=str(device)), strict=True)
+        self.opt.load_state_dict(torch.load(folder / OPTIM, map_location=device, weights_only=True))
+        state = torch.load(folder / TRAINER, map_location="cpu", weights_only=True)
+        self.sched.load_state_dict(state["scheduler"])
+        if self.scaler is not None and state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])
+        return state
+
+    def close(self) -> None:
+        del self.module, self.model, self.opt, self.sched

@@ -6,7 +6,6 @@ TensorBoard events, checkpoints and summary.json into `out_dir`.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import math
@@ -27,8 +26,8 @@ from llmpipe.config import RunConfig
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.data.shards import TokenShard
 from llmpipe.models.llama import Transformer, model_args
-from llmpipe.models.llama.parallelize import apply_activation_checkpointing, unwrap_state_dict
-from llmpipe.parallel.ddp import apply_ddp
+from llmpipe.models.llama.parallelize import apply_activation_checkpointing
+from llmpipe.parallel import build_strategy
 from llmpipe.train.metrics import MetricsWriter
 from llmpipe.train.schedule import lr_factor
 
@@ -62,7 +61,7 @@ def _all_mean(x: torch.Tensor, env: Env) -> torch.Tensor:
 
 
 def build_model(cfg: RunConfig, vocab_size: int, env: Env):
-    """Meta-device build -> activation checkpointing -> materialise + init -> DDP (world > 1)."""
+    """Meta-device build -> activation checkpointing -> materialise + init (seeded, same on every rank)."""
     args = model_args(cfg.model, vocab_size=vocab_size)
     if cfg.data.seq_len > args.max_seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
@@ -73,8 +72,7 @@ def build_model(cfg: RunConfig, vocab_size: int, env: Env):
     model.to_empty(device=env.device)
     model.init_weights(seed=cfg.run.seed)
     model.train()
-    wrapped = apply_ddp(model, env.device, cfg.train.parallel) if env.world > 1 else model
-    return args, model, wrapped
+    return args, model
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig):
@@ -97,15 +95,16 @@ def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.d
     return t[:, :-1], t[:, 1:]  # inputs (B, T), targets (B, T)
 
 
-def _loss(model, x, y, env: Env) -> torch.Tensor:
-    with dev.autocast(env.device, env.precision):
-        logits = model(x)  # (B, T, vocab)
+def _loss(strategy, x, y) -> torch.Tensor:
+    with strategy.forward_context():
+        logits = strategy.module(x)  # (B, T, vocab)
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
 @torch.no_grad()
-def evaluate(model, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
+def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     """Mean validation loss over the same fixed samples every time, split across ranks."""
+    model = strategy.module
     model.eval()
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
     n = min(shard.num_samples(T), cfg.train.eval.batches * mb * env.world)
@@ -113,7 +112,7 @@ def evaluate(model, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     total = torch.zeros(2, device=env.device, dtype=torch.float64)
     for i in range(0, len(mine), mb):
         x, y = _batch(shard, mine[i:i + mb], T, env.device)
-        total[0] += _loss(model, x, y, env).double() * len(x)
+        total[0] += _loss(strategy, x, y).double() * len(x)
         total[1] += len(x)
     if env.world > 1:
         dist.all_reduce(total)
@@ -121,10 +120,8 @@ def evaluate(model, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def _trainer_state(step: int, consumed: int, sched, scaler) -> dict[str, Any]:
-    return {"step": step, "consumed_samples": consumed, "scheduler": sched.state_dict(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            "torch_rng": torch.get_rng_state()}
+def _trainer_state(step: int, consumed: int) -> dict[str, Any]:
+    return {"step": step, "consumed_samples": consumed, "torch_rng": torch.get_rng_state()}
 
 
 def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
@@ -140,26 +137,25 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     return folder
 
 
-def _restore(folder: Path, model, opt, sched, scaler, env: Env) -> tuple[int, int]:
-    model_state, optim_state, state = ckpt.load(folder, map_location=env.device)
-    model.load_state_dict(model_state, strict=True)
-    opt.load_state_dict(optim_state)
-    sched.load_state_dict(state["scheduler"])
-    if scaler is not None and state.get("scaler"):
-        scaler.load_state_dict(state["scaler"])
+def _restore(folder: Path, strategy) -> tuple[int, int]:
+    meta = ckpt.read_meta(folder)
+    if meta.get("format") != strategy.format:
+        raise ValueError(f"train.checkpoint.resume: {folder} has format {meta.get('format')!r}, but "
+                         f"train.parallel.data={strategy.format!r} needs {strategy.format!r}")
+    state = strategy.read_checkpoint(folder)
     torch.set_rng_state(state["torch_rng"].cpu())
     log.info("resumed from %s (step %d)", folder, state["step"])
     return int(state["step"]), int(state["consumed_samples"])
 
 
-def _save(out_dir: Path, step: int, consumed: int, model, opt, sched, scaler, args, env: Env, cfg) -> None:
+def _save(out_dir: Path, step: int, consumed: int, strategy, args, env: Env, cfg) -> None:
+    meta = {"format": strategy.format, "world_size": env.world, "model": args.to_dict(),
+            "consumed_samples": consumed}
+    root = out_dir / "checkpoints"
+    ckpt.save(root, step, lambda folder: strategy.write_checkpoint(folder, _trainer_state(step, consumed)),
+              meta, rank=env.rank, barrier=dist.barrier if env.world > 1 else lambda: None)
     if env.main:
-        meta = {"format": "full", "world_size": env.world, "model": args.to_dict(), "consumed_samples": consumed}
-        ckpt.save(out_dir / "checkpoints", step, unwrap_state_dict(model), opt.state_dict(),
-                  _trainer_state(step, consumed, sched, scaler), meta)
-        ckpt.prune(out_dir / "checkpoints", cfg.train.checkpoint.keep_last)
-    if env.world > 1:
-        dist.barrier()
+        ckpt.prune(root, cfg.train.checkpoint.keep_last)
 
 
 def _set_threads(cfg: RunConfig, env: Env) -> None:
@@ -181,25 +177,26 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     if data_meta["seq_len"] != cfg.data.seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
     train_shard, val_shard = TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
-    args, model, wrapped = build_model(cfg, data_meta["vocab_size"], env)
+    args, model = build_model(cfg, data_meta["vocab_size"], env)
     opt, sched = build_optimizer(model, cfg)
+    strategy = build_strategy(cfg, env, model, opt, sched)
+    del model, opt, sched  # the strategy owns them now (and may have replaced them)
     t = cfg.train
-    scaler = dev.grad_scaler(env.device, env.precision, t.precision.loss_scale.init,
-                             t.precision.loss_scale.growth_interval)
     sampler = GlobalBatchSampler(train_shard.num_samples(cfg.data.seq_len), t.micro_batch_size,
                                  t.grad_accum_steps, env.world, cfg.run.seed)
     start, consumed = 0, 0
     folder = _resume_folder(cfg, Path(out_dir) / "checkpoints")
     if folder is not None:
-        start, consumed = _restore(folder, model, opt, sched, scaler, env)
+        start, consumed = _restore(folder, strategy)
     if env.main:
         (Path(out_dir) / "model_config.json").write_text(json.dumps({"model": args.to_dict()}, indent=2) + "\n")
     writer = MetricsWriter(Path(out_dir), enabled=env.main, resume_step=start)
-    loop = _Loop(cfg, env, args, model, wrapped, opt, sched, scaler, sampler, train_shard, val_shard, writer)
+    loop = _Loop(cfg, env, args, strategy, sampler, train_shard, val_shard, writer)
     try:
         summary = loop.run(start, consumed, Path(out_dir))
     finally:
         writer.close()
+        strategy.close()
     if env.main:
         (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -208,10 +205,8 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
 class _Loop:
     """The step loop, with its state gathered in one place."""
 
-    def __init__(self, cfg, env, args, model, wrapped, opt, sched, scaler, sampler, train_shard, val_shard,
-                 writer):
-        self.cfg, self.env, self.args = cfg, env, args
-        self.model, self.wrapped, self.opt, self.sched, self.scaler = model, wrapped, opt, sched, scaler
+    def __init__(self, cfg, env, args, strategy, sampler, train_shard, val_shard, writer):
+        self.cfg, self.env, self.args, self.strategy = cfg, env, args, strategy
         self.sampler, self.train_shard, self.val_shard, self.writer = sampler, train_shard, val_shard, writer
         t = cfg.train
         self.tokens_per_step = sampler.global_batch * cfg.data.seq_len
@@ -220,42 +215,31 @@ class _Loop:
         self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
 
     def _micro_steps(self, step: int, first_step: int, consumed: int) -> torch.Tensor:
-        t, env = self.cfg.train, self.env
+        t, env, strategy = self.cfg.train, self.env, self.strategy
         total = torch.zeros((), device=env.device)
         for micro in range(t.grad_accum_steps):
             x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, env.rank),
                           self.cfg.data.seq_len, env.device)
-            # NOTE: no_sync skips the all-reduce on all but the last micro-step. The first step of a
+            # NOTE: gradient sync is skipped on all but the last micro-step. The first step of a
             # process stays synchronous: DDP static_graph + no_sync in the very first step trips an
             # internal assert (pytorch #143580).
-            sync = micro == t.grad_accum_steps - 1 or step == first_step or env.world == 1
-            ctx = contextlib.nullcontext() if sync else self.wrapped.no_sync()
-            with ctx:
-                loss = _loss(self.wrapped, x, y, env)
-                scaled = loss / t.grad_accum_steps
-                (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+            sync = micro == t.grad_accum_steps - 1 or step == first_step
+            with strategy.micro_context(sync):
+                loss = _loss(strategy, x, y)
+                strategy.backward(loss)
             total += loss.detach()
         return total / t.grad_accum_steps
 
     def _optimizer_step(self) -> float:
-        clip = self.cfg.train.optim.clip_grad_norm
-        if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-            if self.scaler.get_scale() < 1.0:
-                log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "
-                            "consider bf16 or a lower lr", self.scaler.get_scale())
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
-        return float(norm)
+        norm = self.strategy.step()
+        scale = self.strategy.loss_scale()
+        if scale is not None and scale < 1.0:
+            log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "
+                        "consider bf16 or a lower lr", scale)
+        return norm
 
     def _eval(self, step: int) -> float:
-        val = evaluate(self.wrapped, self.val_shard, self.cfg, self.env)
+        val = evaluate(self.strategy, self.val_shard, self.cfg, self.env)
         self.writer.eval(step, val)
         if self.env.main:
             log.info("step %d: val_loss %.4f  val_ppl %.2f", step, val, math.exp(min(val, 50)))
@@ -269,7 +253,7 @@ class _Loop:
         t_start = time.perf_counter()
         for step in range(start, t.max_steps):
             t0 = time.perf_counter()
-            lr = self.opt.param_groups[0]["lr"]
+            lr = self.strategy.lr()
             local = self._micro_steps(step, start, consumed)
             grad_norm = self._optimizer_step()
             loss = float(_all_mean(local, env))
@@ -280,8 +264,8 @@ class _Loop:
             tok_s_hist.append(tok_s)
             rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
                    "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
-            if self.scaler is not None:
-                rec["loss_scale"] = float(self.scaler.get_scale())
+            if self.strategy.loss_scale() is not None:
+                rec["loss_scale"] = self.strategy.loss_scale()
             self.writer.step(rec)
             done = step + 1
             if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
@@ -292,8 +276,7 @@ class _Loop:
             if done % t.eval.every_steps == 0 and done != t.max_steps:
                 self._eval(done)
             if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
-                _save(out_dir, done, consumed, self.model, self.opt, self.sched, self.scaler, self.args, env,
-                      self.cfg)
+                _save(out_dir, done, consumed, self.strategy, self.args, env, self.cfg)
         val = self._eval(t.max_steps) if t.max_steps > start else val0
         steady = tok_s_hist[1:] or tok_s_hist
         return {"steps": t.max_steps, "resumed_from": start, "final_loss": loss, "val_loss_start": val0,

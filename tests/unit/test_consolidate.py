@@ -40,7 +40,7 @@ def test_consolidated_fp32_equals_the_checkpoint(tmp_path, checkpoint):
     consolidate(checkpoint, out, "fp32")
     meta = ckpt.read_meta(checkpoint)
     model_io.write_args(out, model_io.ModelArgs(**meta["model"]), "fp32")
-    src = load_file(str(checkpoint / ckpt.MODEL))
+    src = load_file(str(checkpoint / "model.safetensors"))
     model = model_io.load_model(out)
     for k, v in model.state_dict().items():
         if k in src:
@@ -51,7 +51,7 @@ def test_bf16_consolidation_rounds_within_bf16_precision(tmp_path, checkpoint):
     out = tmp_path / "bf16"
     out.mkdir()
     consolidate(checkpoint, out, "bf16")
-    src, got = load_file(str(checkpoint / ckpt.MODEL)), load_file(str(out / model_io.WEIGHTS))
+    src, got = load_file(str(checkpoint / "model.safetensors")), load_file(str(out / model_io.WEIGHTS))
     for k in src:
         assert got[k].dtype == torch.bfloat16
         torch.testing.assert_close(got[k].float(), src[k], rtol=8e-3, atol=1e-6)

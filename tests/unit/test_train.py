@@ -55,8 +55,8 @@ def test_accumulation_equals_one_big_batch(tmp_path, data_dir, mb, accum):
     train(ref, data_dir, tmp_path / "ref_out")
     train(acc, data_dir, tmp_path / "acc_out")
     torch.testing.assert_close(_losses(tmp_path / "acc_out"), _losses(tmp_path / "ref_out"), rtol=1e-5, atol=1e-5)
-    wa = load_file(str(ckpt.step_dir(tmp_path / "ref_out" / "checkpoints", 6) / ckpt.MODEL))
-    wb = load_file(str(ckpt.step_dir(tmp_path / "acc_out" / "checkpoints", 6) / ckpt.MODEL))
+    wa = load_file(str(ckpt.step_dir(tmp_path / "ref_out" / "checkpoints", 6) / "model.safetensors"))
+    wb = load_file(str(ckpt.step_dir(tmp_path / "acc_out" / "checkpoints", 6) / "model.safetensors"))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
@@ -71,8 +71,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
     summary = train(cfg, data_dir, part)
     assert summary["resumed_from"] == 3
     assert _losses(part) == _losses(full)  # bitwise: same floats
-    wa = load_file(str(ckpt.step_dir(full / "checkpoints", 6) / ckpt.MODEL))
-    wb = load_file(str(ckpt.step_dir(part / "checkpoints", 6) / ckpt.MODEL))
+    wa = load_file(str(ckpt.step_dir(full / "checkpoints", 6) / "model.safetensors"))
+    wb = load_file(str(ckpt.step_dir(part / "checkpoints", 6) / "model.safetensors"))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -80,7 +80,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_d
     cfg = make_cfg(tmp_path)
     out = tmp_path / "out"
     train(cfg, data_dir, out)
-    newest = ckpt.step_dir(out / "checkpoints", 6) / ckpt.MODEL
+    newest = ckpt.step_dir(out / "checkpoints", 6) / "model.safetensors"
     data = bytearray(newest.read_bytes())
     data[-1] ^= 0xFF
     newest.write_bytes(bytes(data))
@@ -114,5 +114,5 @@ def test_activation_checkpointing_gives_identical_losses(tmp_path, data_dir):
     train(a, data_dir, tmp_path / "a_out")
     train(b, data_dir, tmp_path / "b_out")
     torch.testing.assert_close(_losses(tmp_path / "b_out"), _losses(tmp_path / "a_out"), rtol=1e-6, atol=1e-6)
-    keys = load_file(str(ckpt.step_dir(tmp_path / "b_out" / "checkpoints", 6) / ckpt.MODEL)).keys()
+    keys = load_file(str(ckpt.step_dir(tmp_path / "b_out" / "checkpoints", 6) / "model.safetensors")).keys()
     assert not any("checkpoint_wrapped" in k for k in keys)

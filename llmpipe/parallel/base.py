@@ -1,0 +1,55 @@
+"""The data-parallel strategy interface the training loop drives.
+
+A strategy owns how parameters, gradients and optimizer states are held and synchronised, and
+how they are checkpointed: DDP (full replicas), and room for DeepSpeed ZeRO and FSDP2. The loop
+only calls these methods, so a new strategy is one new file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class Strategy:
+    """Base class. Subclasses set `format` (the checkpoint format consolidate reads) and `module`."""
+
+    format = "full"
+    module: nn.Module  # what forward and eval call
+
+    def forward_context(self) -> contextlib.AbstractContextManager:
+        """Around each forward pass (autocast, where the strategy uses it)."""
+        return contextlib.nullcontext()
+
+    def micro_context(self, sync: bool) -> contextlib.AbstractContextManager:
+        """Around a micro-step's forward+backward; `sync=False` may skip gradient communication."""
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate one micro-batch's mean loss (the strategy divides by accumulation)."""
+        raise NotImplementedError
+
+    def step(self) -> float:
+        """Clip, optimizer step, lr schedule step, zero grads; returns the global grad norm."""
+        raise NotImplementedError
+
+    def lr(self) -> float:
+        raise NotImplementedError
+
+    def loss_scale(self) -> float | None:
+        return None
+
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
+        """Called on every rank with the same (temporary) folder; write this rank's part."""
+        raise NotImplementedError
+
+    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
+        """Restore from a verified checkpoint folder; returns the trainer state written with it."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """Drop references to model and optimizer before the process group is destroyed."""
