@@ -71,11 +71,37 @@ class ModelSection(Section):
 
 
 class ParallelSection(Section):
-    data: Literal["ddp"] = Field("ddp", description="Data-parallel strategy.")
+    data: Literal["ddp", "zero", "fsdp"] = Field("ddp", description="Data-parallel strategy: DDP replicas, "
+                                                 "DeepSpeed ZeRO (zero_stage), or FSDP2 (fully_shard).")
     bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size (MB).")
     gradient_as_bucket_view: bool = Field(True, description="DDP: gradients are views into buckets.")
     static_graph: bool = Field(True, description="DDP: the autograd graph is the same every step.")
     broadcast_buffers: bool = Field(False, description="DDP: broadcast buffers from rank 0 each step.")
+    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO: 1 shards optimizer states, 2 also gradients, "
+                            "3 also parameters. 0 with data=ddp/fsdp.")
+    offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO: keep optimizer states "
+                                                      "(and the step) in host memory.")
+    offload_param: Literal["none", "cpu"] = Field("none", description="ZeRO-3: keep parameters in host memory.")
+    pin_memory: bool = Field(True, description="ZeRO offload: page-locked host buffers.")
+    reduce_bucket_size: int = Field(500_000_000, ge=1, description="ZeRO: elements per gradient reduce bucket.")
+    allgather_bucket_size: int = Field(500_000_000, ge=1, description="ZeRO-1/2: elements per all-gather.")
+    overlap_comm: bool = Field(True, description="ZeRO: overlap gradient reduction with backward.")
+    contiguous_gradients: bool = Field(True, description="ZeRO: copy gradients into one contiguous buffer.")
+    reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after forward "
+                                        "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like).")
+
+    @model_validator(mode="after")
+    def _layout(self) -> ParallelSection:
+        if self.data == "zero" and self.zero_stage == 0:
+            raise ValueError("data=zero needs zero_stage 1, 2 or 3 (got 0)")
+        if self.data != "zero" and self.zero_stage != 0:
+            raise ValueError(f"zero_stage={self.zero_stage} needs data=zero (got data={self.data})")
+        if self.offload_optimizer != "none" and self.data != "zero":
+            raise ValueError(f"offload_optimizer={self.offload_optimizer} needs data=zero (got data={self.data})")
+        if self.offload_param != "none" and not (self.data == "zero" and self.zero_stage == 3):
+            raise ValueError("offload_param needs data=zero with zero_stage=3 "
+                             f"(got data={self.data}, zero_stage={self.zero_stage})")
+        return self
 
 
 class LossScaleSection(Section):
