@@ -119,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
                         stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # Prefect's client logs every request at INFO
     from llmpipe.stages import StageError
 
     try:

@@ -76,7 +76,8 @@ class ParallelSection(Section):
     bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size (MB).")
     gradient_as_bucket_view: bool = Field(True, description="DDP: gradients are views into buckets.")
     static_graph: bool = Field(True, description="DDP: the autograd graph is the same every step.")
-    broadcast_buffers: bool = Field(False, description="DDP: broadcast buffers from rank 0 each step.")
+    broadcast_buffers: bool = Field(False, description="DDP: sync buffers from rank 0 before each forward "
+                                   "(torch's forward_sync_buffers).")
     zero_stage: int = Field(0, ge=0, le=3, description="ZeRO: 1 shards optimizer states, 2 also gradients, "
                             "3 also parameters. 0 with data=ddp/fsdp.")
     offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO: keep optimizer states "

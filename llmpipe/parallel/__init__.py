@@ -10,4 +10,8 @@ def build_strategy(cfg, env, model, optimizer, scheduler):
         from llmpipe.parallel.ddp import DDPStrategy
 
         return DDPStrategy(cfg, env, model, optimizer, scheduler)
+    if kind == "fsdp":
+        from llmpipe.parallel.fsdp import FSDPStrategy
+
+        return FSDPStrategy(cfg, env, model, optimizer, scheduler)
     raise ValueError(f"train.parallel.data: unknown strategy {kind!r}")

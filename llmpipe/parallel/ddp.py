@@ -26,7 +26,9 @@ def apply_ddp(model: nn.Module, device: torch.device, parallel) -> DDP:
         bucket_cap_mb=parallel.bucket_cap_mb,
         gradient_as_bucket_view=parallel.gradient_as_bucket_view,
         static_graph=parallel.static_graph,
-        broadcast_buffers=parallel.broadcast_buffers,
+        # NOTE: torch 2.13 deprecates broadcast_buffers for forward_sync_buffers (buffers are synced
+        # at init either way). llmpipe's only buffers are the RoPE tables, identical on every rank.
+        forward_sync_buffers=parallel.broadcast_buffers,
     )
 
 

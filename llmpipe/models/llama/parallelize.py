@@ -1,13 +1,16 @@
 """Apply training-time wrappers to a LLaMA model from outside, in a fixed order.
 
 Order (torchtitan's): tensor parallel -> activation checkpointing -> compile -> data parallel.
-Only activation checkpointing lives here for now; data parallel is in llmpipe.parallel.
+Activation checkpointing and FSDP2 live here; the data-parallel strategies are in llmpipe.parallel.
 """
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from llmpipe.models.llama.model import Transformer
 
@@ -16,6 +19,22 @@ def apply_activation_checkpointing(model: Transformer) -> None:
     """Recompute every transformer block in backward (non-reentrant), trading compute for memory."""
     for name, block in list(model.layers.items()):
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
+
+
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None,
+               reduce_dtype: torch.dtype | None, reshard_after_forward: bool) -> Transformer:
+    """FSDP2 (torchtitan style): `fully_shard` each block, then the root (embeddings, norm, output).
+
+    Each block becomes one all-gather / reduce-scatter unit. Parameters become DTensors sharded on
+    dim 0 over `mesh`; a materialised model is sharded in place (each rank keeps its slice of its
+    own, identical, initialisation). `reshard_after_forward` applies to the blocks; the root keeps
+    FSDP2's default (None: not resharded), since backward needs the output head at once.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():  # a checkpoint_wrapper, when activation checkpointing is on
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=None)
+    return model
 
 
 def unwrap_state_dict(model: nn.Module) -> dict:

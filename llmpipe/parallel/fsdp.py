@@ -1,0 +1,161 @@
+"""Fully sharded data parallel with FSDP2 (`fully_shard`): parameters, gradients and optimizer
+states sharded over the data-parallel ranks; checkpoints through torch.distributed.checkpoint.
+
+A checkpoint folder (format "dcp") holds `dcp/` (DCP's .metadata plus one .distcp file per rank,
+with {"model": ..., "optim": ...} under llmpipe's plain parameter names) and trainer_state.pt
+(step, data position, RNG, scheduler and loss scaler; written by rank 0). A DCP checkpoint can be
+resumed on a different world size; llmpipe.checkpoint.dcp consolidates it into one safetensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from llmpipe import device as dev
+from llmpipe.models.llama.parallelize import apply_fsdp
+from llmpipe.parallel.base import Strategy
+from llmpipe.train.loop import build_optimizer
+
+DCP_DIR, TRAINER = "dcp", "trainer_state.pt"
+
+
+def dp_mesh(device: torch.device, world: int) -> DeviceMesh:
+    """A 1-D mesh over every rank, named "dp"."""
+    return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+
+
+def mixed_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) for FSDP2: compute in bf16/fp16, reduce gradients in fp32.
+
+    The sharded parameters (and so the optimizer) stay fp32; fp32 training casts nothing.
+    """
+    if precision == "fp32":
+        return None, None
+    return dev.dtype(precision), torch.float32
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """Clip the global gradient norm over DTensor gradients; returns the (full) norm before clipping."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
+    if isinstance(norm, DTensor):  # a partial sum of the local shards' norms: reduce over ranks
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm else float("inf"), norm, foreach=True)
+    return norm
+
+
+def local_bytes(t: torch.Tensor | None) -> int:
+    """Bytes this rank holds for `t` (the local shard of a DTensor)."""
+    if t is None:
+        return 0
+    t = t.to_local() if isinstance(t, DTensor) else t
+    return t.numel() * t.element_size()
+
+
+def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+    """Model-state memory on this rank: parameters, gradients (as one fp32 tensor per parameter
+    shard, what exists after the reduce-scatter) and optimizer states, from the local shards."""
+    params = list(model.parameters())
+    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+    out = {"params": sum(local_bytes(p) for p in params),
+           "grads": sum(local_bytes(p) for p in params if p.requires_grad),
+           "optimizer": sum(local_bytes(v) for v in states)}
+    out["total"] = sum(out.values())
+    return out
+
+
+class FSDPStrategy(Strategy):
+    """FSDP2 over a 1-D mesh; mixed precision by policy (no autocast); GradScaler for fp16."""
+
+    format = "dcp"
+
+    def __init__(self, cfg, env, model: nn.Module, optimizer=None, scheduler=None):
+        # NOTE: the loop's optimizer holds the unsharded parameters, which fully_shard replaces with
+        # DTensor parameters: it is dropped and rebuilt over the sharded ones.
+        del optimizer, scheduler
+        if not torch.distributed.is_initialized():
+            raise ValueError("train.parallel.data=fsdp needs a process group: launch with torchrun "
+                             "(train.nproc_per_node >= 1), not in-process")
+        self.cfg, self.env = cfg, env
+        param_dtype, reduce_dtype = mixed_precision(env.precision)
+        self.mesh = dp_mesh(env.device, env.world)
+        self.model = self.module = apply_fsdp(model, self.mesh, param_dtype, reduce_dtype,
+                                              cfg.train.parallel.reshard_after_forward)
+        self.opt, self.sched = build_optimizer(self.model, cfg)
+        ls = cfg.train.precision.loss_scale
+        # NOTE: torch.amp.GradScaler handles DTensor gradients: DTensor's dispatch of
+        # _amp_foreach_non_finite_check_and_unscale_ reduces found_inf over the mesh (max), so every
+        # rank skips the same steps. Gradients are fp32 (the sharded parameters' dtype).
+        self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
+        self.accum = cfg.train.grad_accum_steps
+
+    def micro_context(self, sync: bool):
+        # NOTE: without sync FSDP2 keeps unsharded gradients until the last micro-step's
+        # reduce-scatter: less communication, but full-size gradients per rank while accumulating.
+        self.model.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaled = loss / self.accum
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+
+    def step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        norm = clip_grad_norm(list(self.model.parameters()), self.cfg.train.optim.clip_grad_norm)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None
+
+    def memory_stats(self) -> dict[str, int]:
+        return model_state_bytes(self.model, self.opt)
+
+    def _state(self) -> dict[str, Any]:
+        # get_*_state_dict strip wrapper prefixes (checkpoint_wrapper's): keys are llmpipe's names.
+        return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
+
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
+        dcp.save(self._state(), checkpoint_id=Path(folder) / DCP_DIR)
+        if self.env.rank == 0:
+            torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
+                        "scaler": self.scaler.state_dict() if self.scaler is not None else None},
+                       Path(folder) / TRAINER)
+
+    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
+        state = self._state()  # the shapes and shardings to load into (initialises Adam's states)
+        dcp.load(state, checkpoint_id=Path(folder) / DCP_DIR)
+        set_model_state_dict(self.model, state["model"])
+        set_optimizer_state_dict(self.model, self.opt, state["optim"])
+        trainer = torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)
+        self.sched.load_state_dict(trainer["scheduler"])
+        if self.scaler is not None and trainer.get("scaler"):
+            self.scaler.load_state_dict(trainer["scaler"])
+        return trainer
+
+    def close(self) -> None:
+        del self.module, self.model, self.opt, self.sched, self.mesh
