@@ -1,0 +1,50 @@
+"""The torchrun command builder (pure) and the process-group runner."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from llmpipe.train.launch import run_streaming, torchrun_argv
+
+
+def test_torchrun_argv_single_node():
+    argv = torchrun_argv(2, Path("c.yaml"), Path("data"), Path("out"), python="py")
+    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
+                    "--max-restarts=0", "-m", "llmpipe.train.main", "--config", "c.yaml", "--data", "data",
+                    "--out", "out"]
+
+
+def test_torchrun_argv_multi_node():
+    argv = torchrun_argv(8, Path("c"), Path("d"), Path("o"), python="py", nnodes=4, node_rank=2,
+                         master_addr="10.0.0.1", master_port=29400)
+    assert "--standalone" not in argv
+    assert argv[3:7] == ["--nnodes=4", "--node-rank=2", "--master-addr=10.0.0.1", "--master-port=29400"]
+
+
+def test_run_streaming_streams_lines_and_returns_the_exit_code():
+    lines: list[str] = []
+    code, tail = run_streaming([sys.executable, "-c", "print('a'); print('b'); raise SystemExit(3)"], lines.append)
+    assert code == 3 and lines == ["a", "b"] and tail == ["a", "b"]
+
+
+def test_timeout_kills_the_whole_process_group(tmp_path):
+    pidfile = tmp_path / "child.pid"
+    script = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+              f"time.sleep(60)']); open({str(pidfile)!r}, 'w').write(str(p.pid)); "
+              "[print(i, flush=True) or time.sleep(0.2) for i in range(300)]")
+    with pytest.raises(TimeoutError):
+        run_streaming([sys.executable, "-c", script], lambda line: None, timeout_s=1.5)
+    child = int(pidfile.read_text())
+    for _ in range(50):  # the grandchild is gone too (reaped by init shortly after the kill)
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the grandchild survived")
