@@ -17,6 +17,7 @@ from prefect import flow, get_run_logger
 import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
 from llmpipe import report, stages
+from llmpipe.lock import run_lock
 from tasks.stages import TASKS
 
 
@@ -32,8 +33,10 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
     logger.info("run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
     results: dict[str, Any] = {}
     try:
-        for name in selected:
-            results[name] = TASKS[name](config, overrides, force=force or from_stage is not None)
+        with run_lock(cfg.run_dir()):  # one writer per run folder; stale locks are recognised
+            for name in selected:
+                task = TASKS[name].with_options(retries=cfg.run.retries, retry_delay_seconds=cfg.run.retry_delay_s)
+                results[name] = task(config, overrides, force=force or from_stage is not None)
     finally:
         path = report.write(cfg)
         logger.info("report: %s", path)

@@ -31,6 +31,9 @@ class RunSection(Section):
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="Accelerator; auto picks npu > cuda > cpu.")
     seed: int = Field(1234, ge=0, description="Seed for data split, sampling order and weight init.")
+    retries: int = Field(1, ge=0, le=10, description="Retries of a stage after a transient failure (a rank "
+                         "killed from outside, a lost connection); deterministic errors are never retried.")
+    retry_delay_s: float = Field(10.0, ge=0, description="Wait before a retry.")
 
     @field_validator("name")
     @classmethod

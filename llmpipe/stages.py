@@ -25,13 +25,29 @@ from typing import Any
 
 import llmpipe
 from llmpipe.config import STAGES, ConfigError, RunConfig, section
+from llmpipe.lock import run_lock
 from llmpipe.manifest import Manifest, file_entry, fingerprint, versions
 
 log = logging.getLogger("llmpipe.stages")
 
 
 class StageError(RuntimeError):
-    """A stage failed for a reason the user can act on; the message is one line."""
+    """A stage failed for a reason the user can act on; the message is one line.
+
+    `transient=True` marks failures worth retrying (a rank killed from outside, a lost connection);
+    everything else (bad config, bad data, a bug) fails the same way again and is never retried.
+    """
+
+    def __init__(self, message: str, transient: bool = False):
+        super().__init__(message)
+        self.transient = transient
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Whether a retry could succeed: flagged StageErrors and I/O or connection trouble."""
+    if isinstance(exc, StageError):
+        return exc.transient
+    return isinstance(exc, (ConnectionError, TimeoutError, BlockingIOError))
 
 
 @dataclass(frozen=True)
@@ -173,7 +189,6 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
     spec = SPECS[name]
     fps = fingerprints(cfg)
     run_dir = cfg.run_dir()
-    final = stage_dir(run_dir, name)
     if not force:
         status, manifest = state(cfg, name, fps[name])
         if status == "done":
@@ -189,22 +204,34 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
             raise StageError(f"{name} needs {dep}, which is {status}; run {dep} first")
         inputs[dep] = (stage_dir(run_dir, dep), manifest)
 
-    created = not run_dir.exists()
-    run_dir.mkdir(parents=True, exist_ok=True)
+    with run_lock(run_dir):  # also removes a run folder it created, if the stage left it empty
+        return _execute(spec, cfg, fps, inputs), True
+
+
+def _injected_failure(name: str) -> None:
+    """Test hook, off by default: LLMPIPE_FAIL_STAGE=<stage>[,<stage>] makes those stages fail."""
+    wanted = {s.strip() for s in os.environ.get("LLMPIPE_FAIL_STAGE", "").split(",")}
+    if name in wanted:
+        raise StageError(f"{name}: failure injected by LLMPIPE_FAIL_STAGE (a test hook)")
+
+
+def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
+             inputs: dict[str, tuple[Path, Manifest]]) -> Manifest:
+    name, run_dir = spec.name, cfg.run_dir()
+    final = stage_dir(run_dir, name)
     partial = run_dir / f".{final.name}.partial"
     _prepare_partial(partial, fps[name], spec.resumable)
     started, t0 = _now(), time.monotonic()
     log.info("%s: running (fingerprint %s)", name, fps[name][:12])
     ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name])
     try:
+        _injected_failure(name)
         result: StageResult = _resolve(spec.entry)(ctx)
     except BaseException:
         # Nothing half-written stays behind, except a resumable stage's partial folder (training
         # checkpoints), which the next attempt with the same fingerprint continues from.
         if not spec.resumable:
             shutil.rmtree(partial, ignore_errors=True)
-            if created and not any(run_dir.iterdir()):
-                run_dir.rmdir()
         raise
 
     (partial / ".fingerprint").unlink(missing_ok=True)
@@ -217,7 +244,7 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
     manifest.write(partial)
     _publish(partial, final)
     log.info("%s: %s in %.1fs -> %s", name, result.status, manifest.duration_s, final)
-    return manifest, True
+    return manifest
 
 
 def select(from_stage: str | None = None, only: list[str] | None = None) -> list[str]:

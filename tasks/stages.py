@@ -38,8 +38,18 @@ def _key(*parts: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")
 
 
+def _retry_if_transient(task, task_run, state) -> bool:
+    """Prefect retry condition: only failures llmpipe marks transient are retried."""
+    try:
+        state.result()
+    except BaseException as exc:
+        return stages.is_transient(exc)
+    return False
+
+
 def _task(fn_name: str):
-    return task(name=fn_name, cache_policy=NO_CACHE, retries=0)
+    # The flow sets retries / retry_delay_seconds from run.retries via .with_options().
+    return task(name=fn_name, cache_policy=NO_CACHE, retries=0, retry_condition_fn=_retry_if_transient)
 
 
 @_task("prepare_data")

@@ -38,7 +38,10 @@ def run(ctx: StageContext) -> StageResult:
     if code != 0:
         errors = [ln for ln in tail if "error:" in ln or "Error" in ln]
         detail = (errors or tail or ["no output"])[-1].strip()
-        raise StageError(f"training failed: torchrun exited with {code}: {detail}")
+        # A rank that died from a signal (OOM killer, preemption, a lost node) may well succeed on a
+        # retry, which resumes from the newest checkpoint; an exception inside a rank will not.
+        killed = code < 0 or any("Signals." in ln or "SIGKILL" in ln for ln in tail)
+        raise StageError(f"training failed: torchrun exited with {code}: {detail}", transient=killed)
     final = ckpt.latest_valid(out / "checkpoints")
     if final is None or ckpt.read_meta(final)["step"] != cfg.train.max_steps:
         raise StageError(f"training ended without a valid checkpoint at step {cfg.train.max_steps} in {out}")

@@ -1,0 +1,89 @@
+"""One writer per run folder: artifacts/<run>/.lock, recognised as stale when its process is gone.
+
+The lock file records pid, host and start time. A second run on the same folder is refused with a
+message naming the holder; a lock left by a dead process on this host is taken over (logged).
+The same process may re-enter (the flow holds it while its tasks run stages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+log = logging.getLogger("llmpipe.lock")
+
+LOCK = ".lock"
+
+
+class LockError(RuntimeError):
+    """The run folder is in use by another live process."""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def _read(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _try_create(path: Path, me: dict) -> bool:
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        json.dump(me, f)
+    return True
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """Hold artifacts/<run>/.lock for the duration of the block."""
+    run_dir = Path(run_dir)
+    created = not run_dir.exists()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    for _ in range(3):
+        if _try_create(path, me):
+            break
+        holder = _read(path)
+        if holder and holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
+            yield  # re-entered by the process that holds it
+            return
+        if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
+            log.warning("removing stale lock %s (pid %s is gone)", path, holder.get("pid"))
+            path.unlink(missing_ok=True)
+            continue
+        if holder is None:  # being written right now, or garbage: give it a moment
+            time.sleep(0.2)
+            if _read(path) is None:
+                path.unlink(missing_ok=True)
+            continue
+        raise LockError(f"{run_dir} is in use by pid {holder.get('pid')} on {holder.get('host')} since "
+                        f"{holder.get('started')}; wait for it, or remove {path} if that process is gone")
+    else:
+        raise LockError(f"could not take the lock {path}")
+    try:
+        yield
+    finally:
+        if (_read(path) or {}).get("pid") == me["pid"]:
+            path.unlink(missing_ok=True)
+        if created and not any(run_dir.iterdir()):
+            run_dir.rmdir()  # nothing was produced: leave no empty run folder behind
