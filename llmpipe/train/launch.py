@@ -7,6 +7,7 @@ or an exception in the caller, so no rank outlives the stage.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -27,10 +28,26 @@ def torchrun_argv(nproc_per_node: int, config_path: Path, data_dir: Path, out_di
     else:
         argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
                  f"--master-addr={master_addr}", f"--master-port={master_port}"]
-    argv += [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0",
+    # --monitor-interval=1: notice a dead rank within a second and stop the others (default 5 s).
+    argv += [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=1",
              "-m", "llmpipe.train.main", "--config", str(config_path), "--data", str(data_dir),
              "--out", str(out_dir)]
     return argv
+
+
+_PR_SET_PDEATHSIG = 1
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _die_with_parent() -> None:
+    """Runs in the child between fork and exec: SIGTERM it when the parent thread dies.
+
+    NOTE: the child runs in its own session (so we can kill its whole group), which also means a
+    SIGKILLed parent (a cancelled flow run, a killed CLI) would orphan it; PR_SET_PDEATHSIG closes
+    that hole, and torchrun forwards SIGTERM to its ranks.
+    """
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -59,7 +76,8 @@ def run_streaming(argv: Sequence[str], on_line: Callable[[str], None], env: Mapp
     caller is interrupted (KeyboardInterrupt, task cancellation), then re-raises.
     """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=dict(env) if env is not None else None, start_new_session=True, bufsize=1)
+                            env=dict(env) if env is not None else None, start_new_session=True, bufsize=1,
+                            preexec_fn=_die_with_parent if _LIBC is not None else None)
     last: deque[str] = deque(maxlen=tail)
     deadline = time.monotonic() + timeout_s if timeout_s else None
     try:
