@@ -102,3 +102,27 @@ def test_llmpipe_library_never_imports_prefect():
             "llmpipe.checkpoint.consolidate, llmpipe.export.onnx, llmpipe.bench.run, llmpipe.data.prepare; "
             "assert 'prefect' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
+
+
+@pytest.mark.parametrize("stage,change", [("consolidate", "consolidate.hf_layout=false"),
+                                          ("benchmark", "benchmark.iters=2")])
+def test_injected_failure_then_rerun_executes_that_stage_onward(first_run, monkeypatch, stage, change):
+    """A changed setting makes `stage` due; it fails (injected); the rerun runs it and later stages only."""
+    from flows.train_to_deploy import train_to_deploy
+
+    config, run_dir, _ = first_run
+    train_to_deploy(config=config)  # start from an up-to-date run
+    k = STAGES.index(stage)
+    earlier = {s: _snapshot(run_dir, s) for s in STAGES[:k]}
+    digests = {s: Manifest.read(run_dir / f"{STAGES.index(s) + 1:02d}_{s}").outputs for s in STAGES[:k]}
+    monkeypatch.setenv("LLMPIPE_FAIL_STAGE", stage)
+    with pytest.raises(Exception, match=f"{stage}: failure injected by LLMPIPE_FAIL_STAGE"):
+        train_to_deploy(config=config, overrides=[change])
+    monkeypatch.delenv("LLMPIPE_FAIL_STAGE")
+    results = train_to_deploy(config=config, overrides=[change])
+    executed = [s for s, r in results.items() if r["executed"]]
+    assert executed == list(STAGES[k:])
+    assert {s: _snapshot(run_dir, s) for s in STAGES[:k]} == earlier  # byte-for-byte untouched
+    for s in STAGES[:k]:
+        folder = run_dir / f"{STAGES.index(s) + 1:02d}_{s}"
+        assert Manifest.read(folder).outputs == digests[s] and Manifest.read(folder).verify(folder) is None
