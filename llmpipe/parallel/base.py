@@ -20,6 +20,7 @@ class Strategy:
 
     format = "full"
     module: nn.Module  # what forward and eval call
+    sync_first_step = False  # sync every micro-step of a process's first step (DDP static_graph)
 
     def forward_context(self) -> contextlib.AbstractContextManager:
         """Around each forward pass (autocast, where the strategy uses it)."""

@@ -44,6 +44,9 @@ class DDPStrategy(Strategy):
         ls = cfg.train.precision.loss_scale
         self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
         self.accum = cfg.train.grad_accum_steps
+        # NOTE: DDP static_graph + no_sync in the very first step trips an internal assert
+        # (pytorch #143580): that step syncs every micro-step instead.
+        self.sync_first_step = env.world > 1 and cfg.train.parallel.static_graph
 
     def forward_context(self):
         return dev.autocast(self.env.device, self.env.precision)

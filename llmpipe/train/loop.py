@@ -220,10 +220,9 @@ class _Loop:
         for micro in range(t.grad_accum_steps):
             x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, env.rank),
                           self.cfg.data.seq_len, env.device)
-            # NOTE: gradient sync is skipped on all but the last micro-step. The first step of a
-            # process stays synchronous: DDP static_graph + no_sync in the very first step trips an
-            # internal assert (pytorch #143580).
-            sync = micro == t.grad_accum_steps - 1 or step == first_step
+            # Gradient sync is skipped on all but the last micro-step, except where the strategy
+            # needs the first step of a process synchronous (DDP static_graph).
+            sync = micro == t.grad_accum_steps - 1 or (strategy.sync_first_step and step == first_step)
             with strategy.micro_context(sync):
                 loss = _loss(strategy, x, y)
                 strategy.backward(loss)
