@@ -13,8 +13,7 @@ from pathlib import Path
 
 import yaml
 
-import flows  # noqa: F401  (Prefect defaults before prefect is imported)
-from prefect import serve
+from prefect import serve  # (flows/__init__.py has set the Prefect defaults)
 from prefect.schedules import Cron
 
 from flows.train_to_deploy import train_to_deploy
