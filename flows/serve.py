@@ -12,7 +12,6 @@ import argparse
 from pathlib import Path
 
 import yaml
-
 from prefect import serve  # (flows/__init__.py has set the Prefect defaults)
 from prefect.schedules import Cron
 
