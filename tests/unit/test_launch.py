@@ -15,8 +15,8 @@ from llmpipe.train.launch import run_streaming, torchrun_argv
 def test_torchrun_argv_single_node():
     argv = torchrun_argv(2, Path("c.yaml"), Path("data"), Path("out"), python="py")
     assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-                    "--max-restarts=0", "--monitor-interval=1", "-m", "llmpipe.train.main", "--config", "c.yaml", "--data", "data",
-                    "--out", "out"]
+                    "--max-restarts=0", "--monitor-interval=1", "-m", "llmpipe.train.main", "--config", "c.yaml",
+                    "--data", "data", "--out", "out"]
 
 
 def test_torchrun_argv_multi_node():
