@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
+from prefect.artifacts import create_markdown_artifact
 
 import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
@@ -39,8 +40,15 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
                 results[name] = task(config, overrides, force=force or from_stage is not None)
     finally:
         path = report.write(cfg)
-        logger.info("report: %s", path)
+        if path.is_file():
+            create_markdown_artifact(report.markdown(cfg), key=_artifact_key(cfg.run.name),
+                                     description=f"llmpipe run report: {path}")
+            logger.info("report: %s", path)
     return results
+
+
+def _artifact_key(run_name: str) -> str:
+    return "report-" + "".join(c if c.isalnum() else "-" for c in run_name.lower())
 
 
 if __name__ == "__main__":

@@ -124,6 +124,28 @@ _CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}table{border-coll
         "td,th{border:1px solid #ccc;padding:3px 8px;font-size:90%}th{background:#eee}")
 
 
+def markdown(cfg: RunConfig) -> str:
+    """The report's stage table and benchmark table as markdown (for a Prefect artifact)."""
+    run_dir = cfg.run_dir()
+    lines = [f"# llmpipe run `{cfg.run.name}`", "", f"Full report: `{run_dir / REPORT}`", "",
+             "| stage | state | status | duration s | fingerprint | reason |", "|---|---|---|--:|---|---|"]
+    for r in stage_rows(cfg):
+        dur = f"{r['duration_s']:.1f}" if r["duration_s"] is not None else "-"
+        lines.append(f"| {r['stage']} | {r['state']} | {r['status']} | {dur} | `{r['fingerprint']}` | {r['reason']} |")
+    train = Manifest.read(stage_dir(run_dir, "train"))
+    if train is not None:
+        m = train.metrics
+        lines += ["", f"Training: val loss {m.get('val_loss_start', float('nan')):.3f} -> "
+                      f"{m.get('val_loss', float('nan')):.3f}, {m.get('tokens_per_s', 0):.0f} tokens/s, "
+                      f"{m.get('steps')} steps on {m.get('world_size')} rank(s)"]
+    bench = stage_dir(run_dir, "benchmark")
+    if Manifest.read(bench) is not None:
+        from llmpipe.bench.run import load_results, markdown_table
+
+        lines += ["", "## Benchmark", "", markdown_table(load_results(bench))]
+    return "\n".join(lines) + "\n"
+
+
 def write(cfg: RunConfig) -> Path:
     """Write report.html into the run folder; returns its path."""
     run_dir = cfg.run_dir()

@@ -64,6 +64,11 @@ def test_all_six_stages_run(first_run):
     assert {"fp32", "fp16", "int8"} <= variants
     html = (run_dir / "report.html").read_text()
     assert "loss curve" in html and "Benchmark" in html
+    from llmpipe import config as config_mod
+    from llmpipe import report
+
+    md = report.markdown(config_mod.load(first_run[0]))
+    assert "| benchmark | done | completed |" in md and "| convert_om | done | skipped |" in md
     for stage in STAGES:
         folder = run_dir / f"{STAGES.index(stage) + 1:02d}_{stage}"
         assert Manifest.read(folder).verify(folder) is None
