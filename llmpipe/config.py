@@ -171,6 +171,11 @@ class TrainSection(Section):
     threads_per_proc: int | None = Field(None, ge=1, description="torch intra-op threads per rank "
                                          "(CPU); null: cores / nproc_per_node.")
     dist_timeout_s: int = Field(1800, ge=10, description="Timeout for process-group init and collectives.")
+    hostfile: str | None = Field(None, description="Several nodes: a DeepSpeed hostfile ('host slots=N' per "
+                                 "line); the stage then uses the DeepSpeed launcher instead of torchrun.")
+    master_addr: str | None = Field(None, description="Several nodes: address of the rank-0 host "
+                                    "(default: the hostfile's first host).")
+    master_port: int = Field(29500, ge=1, le=65535, description="Several nodes: rendezvous port.")
 
 
 class ConsolidateSection(Section):

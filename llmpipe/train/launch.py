@@ -50,6 +50,15 @@ def _die_with_parent() -> None:
         _LIBC.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def deepspeed_argv(hostfile: Path, nproc_per_node: int, config_path: Path, data_dir: Path, out_dir: Path,
+                   master_addr: str, master_port: int = 29500, launcher: str = "deepspeed") -> list[str]:
+    """argv for DeepSpeed's multi-node launcher: it reads `hostfile` ("host slots=N" lines), starts
+    llmpipe.train.main on every host over ssh/pdsh with RANK/LOCAL_RANK/WORLD_SIZE set."""
+    return [launcher, f"--hostfile={hostfile}", f"--num_gpus={nproc_per_node}", f"--master_addr={master_addr}",
+            f"--master_port={master_port}", "--module", "llmpipe.train.main",
+            "--config", str(config_path), "--data", str(data_dir), "--out", str(out_dir)]
+
+
 def _kill_group(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """SIGTERM the process group, then SIGKILL whatever is left after `grace_s`."""
     for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):

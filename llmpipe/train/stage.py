@@ -13,7 +13,7 @@ from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
 from llmpipe.train import metrics as metrics_mod
-from llmpipe.train.launch import run_streaming, torchrun_argv
+from llmpipe.train.launch import deepspeed_argv, run_streaming, torchrun_argv
 
 log = logging.getLogger("llmpipe.train")
 
@@ -27,12 +27,26 @@ def _env(cfg) -> dict[str, str]:
     return env
 
 
+def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]:
+    """torchrun on one node; the DeepSpeed launcher over a hostfile for several."""
+    t = cfg.train
+    if t.hostfile is None:
+        return torchrun_argv(t.nproc_per_node, config_path, data_dir, out)
+    hostfile = Path(t.hostfile)
+    hosts = [ln.split()[0] for ln in hostfile.read_text().splitlines() if ln.strip() and not ln.startswith("#")] \
+        if hostfile.is_file() else []
+    if not hosts:
+        raise StageError(f"train.hostfile: {hostfile} is missing or lists no hosts ('host slots=N' per line)")
+    return deepspeed_argv(hostfile, t.nproc_per_node, config_path, data_dir, out,
+                          master_addr=t.master_addr or hosts[0], master_port=t.master_port)
+
+
 def run(ctx: StageContext) -> StageResult:
     cfg, out = ctx.cfg, ctx.work_dir
     data_dir = ctx.inputs["prepare_data"][0]
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
-    argv = torchrun_argv(cfg.train.nproc_per_node, config_path, data_dir, out)
+    argv = _launch_argv(cfg, config_path, data_dir, out)
     log.info("launching: %s", " ".join(argv))
     code, tail = run_streaming(argv, lambda line: log.info("%s", line), env=_env(cfg))
     if code != 0:

@@ -48,3 +48,30 @@ def test_timeout_kills_the_whole_process_group(tmp_path):
         time.sleep(0.1)
     else:
         pytest.fail("the grandchild survived")
+
+
+def test_deepspeed_launcher_argv_for_several_nodes(tmp_path):
+    from llmpipe.config import from_dict
+    from llmpipe.stages import StageError
+    from llmpipe.train.stage import _launch_argv
+
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("# two nodes\nnode-a slots=8\nnode-b slots=8\n")
+    cfg = from_dict({"data": {"inputs": ["x"]},
+                     "train": {"nproc_per_node": 8, "hostfile": str(hostfile), "master_port": 29400}})
+    argv = _launch_argv(cfg, Path("c.yaml"), Path("d"), Path("o"))
+    assert argv == ["deepspeed", f"--hostfile={hostfile}", "--num_gpus=8", "--master_addr=node-a",
+                    "--master_port=29400", "--module", "llmpipe.train.main", "--config", "c.yaml", "--data", "d",
+                    "--out", "o"]
+    hostfile.write_text("")
+    with pytest.raises(StageError, match="train.hostfile: .* lists no hosts"):
+        _launch_argv(cfg, Path("c.yaml"), Path("d"), Path("o"))
+
+
+def test_dist_env_sets_generous_hccl_timeouts():
+    from llmpipe import device
+
+    env = device.dist_env("npu", 30)
+    assert env["HCCL_CONNECT_TIMEOUT"] == "120" and env["HCCL_EXEC_TIMEOUT"] == "120"
+    assert device.dist_env("npu", 3600)["HCCL_EXEC_TIMEOUT"] == "3600"
+    assert "HCCL_CONNECT_TIMEOUT" not in device.dist_env("cpu", 3600)
