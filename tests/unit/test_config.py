@@ -74,3 +74,9 @@ def test_malformed_override():
 def test_run_dir_cannot_escape_artifacts(tmp_path):
     cfg = config_mod.load(TINY, [f"run.artifacts_dir={tmp_path}"])
     assert cfg.run_dir().parent == tmp_path.resolve()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = config_mod.load(path)
+    assert cfg.run_dir().parent.name == "artifacts"
