@@ -13,11 +13,14 @@ export PREFECT_LOGGING_EXTRA_LOGGERS ?= llmpipe
 setup: $(STAMP)
 
 # Re-installs only when pyproject.toml changes. torch is pinned first so pip takes the local CPU
-# wheel instead of a multi-GB CUDA build.
+# wheel instead of a multi-GB CUDA build. DeepSpeed (train.parallel.data=zero) is a source package, built
+# after torch against it with the venv's setuptools (no build isolation) and without compiled ops (the
+# few it needs are JIT-built on first use, then cached).
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
 	$(PY) -m pip install --quiet "torch==2.13.0"
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 

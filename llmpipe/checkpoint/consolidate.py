@@ -21,7 +21,9 @@ from safetensors import safe_open
 
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
+from llmpipe.checkpoint.dcp import consolidate_dcp
 from llmpipe.checkpoint.stream import write_streaming
+from llmpipe.checkpoint.zero import consolidate_zero
 from llmpipe.models.llama import hf
 from llmpipe.models.llama import io as model_io
 from llmpipe.models.llama.model import ModelArgs
@@ -44,24 +46,29 @@ def consolidate(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda 
     return {"tensors": len(names), "params": sum(torch.Size(s[1]).numel() for s in specs)}
 
 
+# checkpoint format (meta.json "format", a Strategy's `format`) -> the function that streams its weights
+CONSOLIDATORS = {"full": consolidate, "dcp": consolidate_dcp, "deepspeed": consolidate_zero}
+
+
 def run(ctx: StageContext) -> StageResult:
     cfg, out = ctx.cfg.consolidate, ctx.work_dir
-    checkpoint = ctx.input_path("train", f"checkpoint/{ckpt.MODEL}").parent
+    checkpoint = ctx.input_path("train", f"checkpoint/{ckpt.META}").parent  # meta.json: in every format
     problem = ckpt.verify(checkpoint)
     if problem:
         raise StageError(f"consolidate: training checkpoint is not usable: {problem}")
     meta = ckpt.read_meta(checkpoint)
-    if meta.get("format") != "full":
+    if meta.get("format") not in CONSOLIDATORS:
         raise StageError(f"consolidate: unsupported checkpoint format {meta.get('format')!r} in {checkpoint}")
+    consolidate_fn = CONSOLIDATORS[meta["format"]]
     args = ModelArgs(**meta["model"])
-    stats = consolidate(checkpoint, out, cfg.dtype)
+    stats = consolidate_fn(checkpoint, out, cfg.dtype)
     model_io.write_args(out, args, cfg.dtype)
     tokenizer = ctx.input_path("prepare_data", "tokenizer")
     shutil.copyfile(tokenizer, out / model_io.TOKENIZER)
     outputs = {"model": model_io.WEIGHTS, "model_config": model_io.CONFIG, "tokenizer": model_io.TOKENIZER}
     if cfg.hf_layout:
         (out / "hf").mkdir()
-        consolidate(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name)
+        consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name)
         data_meta = json.loads(ctx.input_path("prepare_data", "meta").read_text())
         (out / "hf" / "config.json").write_text(
             json.dumps(hf.hf_config(args, cfg.dtype, data_meta.get("eos_id")), indent=2) + "\n")

@@ -10,6 +10,10 @@ def build_strategy(cfg, env, model, optimizer, scheduler):
         from llmpipe.parallel.ddp import DDPStrategy
 
         return DDPStrategy(cfg, env, model, optimizer, scheduler)
+    if kind == "zero":
+        from llmpipe.parallel.zero import ZeroStrategy
+
+        return ZeroStrategy(cfg, env, model, optimizer, scheduler)
     if kind == "fsdp":
         from llmpipe.parallel.fsdp import FSDPStrategy
 

@@ -26,11 +26,12 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from llmpipe import device as dev
+from llmpipe.checkpoint.dcp import DCP_DIR
 from llmpipe.models.llama.parallelize import apply_fsdp
 from llmpipe.parallel.base import Strategy
 from llmpipe.train.loop import build_optimizer
 
-DCP_DIR, TRAINER = "dcp", "trainer_state.pt"
+TRAINER = "trainer_state.pt"
 
 
 def dp_mesh(device: torch.device, world: int) -> DeviceMesh:
@@ -67,8 +68,10 @@ def local_bytes(t: torch.Tensor | None) -> int:
 
 
 def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-    """Model-state memory on this rank: parameters, gradients (as one fp32 tensor per parameter
-    shard, what exists after the reduce-scatter) and optimizer states, from the local shards."""
+    """Model-state bytes on this rank from the local shards (plain tensors count whole, so DDP works
+    too): parameters, gradients (one per trainable parameter, its size: what the reduce-scatter
+    leaves) and optimizer states. NOTE: while accumulating without sync, FSDP2 also holds
+    unsharded fp32 gradients (full size) until the last micro-step; they are not counted here."""
     params = list(model.parameters())
     states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out = {"params": sum(local_bytes(p) for p in params),

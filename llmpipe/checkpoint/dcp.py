@@ -1,0 +1,72 @@
+"""Consolidate a torch.distributed.checkpoint (DCP) folder, as FSDP2 writes it, into one safetensors.
+
+Streaming: names, shapes and dtypes come from DCP's .metadata; each parameter is then loaded alone
+(every rank's chunk of it, from the .distcp files) and written at once, so peak memory is about one
+full tensor, never the model. No process group is needed, and any world size reads the same.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+
+from llmpipe import device as dev
+from llmpipe.checkpoint.stream import write_streaming
+from llmpipe.models.llama import io as model_io
+
+DCP_DIR = "dcp"  # the subfolder of a checkpoint folder (format "dcp") holding the DCP files
+MODEL_PREFIX = "model."  # FSDPStrategy saves {"model": ..., "optim": ...}; DCP flattens keys with "."
+
+
+class _Reader(FileSystemReader):
+    """A FileSystemReader that reads .metadata once, not once per tensor loaded."""
+
+    def __init__(self, path: Path):
+        super().__init__(str(path))
+        self._metadata: Metadata | None = None
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self._metadata is None:
+            self._metadata = super().read_metadata(*args, **kwargs)
+        return self._metadata
+
+
+def model_tensors(reader: FileSystemReader) -> dict[str, TensorStorageMetadata]:
+    """{llmpipe name: DCP tensor metadata} of the model's entries, sorted by name."""
+    entries = reader.read_metadata().state_dict_metadata
+    found = {k.removeprefix(MODEL_PREFIX): v for k, v in entries.items()
+             if k.startswith(MODEL_PREFIX) and isinstance(v, TensorStorageMetadata)}
+    if not found:
+        raise ValueError(f"{reader.path}: no '{MODEL_PREFIX}*' tensors in the DCP metadata")
+    return dict(sorted(found.items()))
+
+
+def load_tensor(reader: FileSystemReader, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    """One full model tensor, assembled from every rank's chunk, on CPU."""
+    key = MODEL_PREFIX + name
+    target = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
+    with warnings.catch_warnings():
+        # NOTE: dcp.load warns "torch.distributed is disabled ..." even when asked for no_dist.
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(target, storage_reader=reader, no_dist=True)
+    return target[key]
+
+
+def consolidate_dcp(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda n: n,
+                    filename: str = model_io.WEIGHTS) -> dict:
+    """Stream checkpoint/dcp's model tensors into out_dir/filename (names mapped by `rename`), cast
+    to `dtype_name`. Same signature and result as consolidate.consolidate for format "full"."""
+    dtype = dev.dtype(dtype_name)
+    reader = _Reader(Path(checkpoint) / DCP_DIR)
+    tensors = model_tensors(reader)
+    specs = [(rename(n), tuple(m.size), dtype) for n, m in tensors.items()]
+    lookup = {new: old for new, old in zip((s[0] for s in specs), tensors)}
+    write_streaming(Path(out_dir) / filename, specs,
+                    lambda new: load_tensor(reader, lookup[new], tensors[lookup[new]]).to(dtype),
+                    metadata={"format": "pt"})
+    return {"tensors": len(specs), "params": sum(torch.Size(s[1]).numel() for s in specs)}
