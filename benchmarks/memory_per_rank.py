@@ -1,4 +1,4 @@
-"""Memory per rank of each data-parallel strategy on the same model: DDP, ZeRO-1/2/3 (add an entry
+"""Memory per rank of each data-parallel strategy on the same model: DDP, ZeRO-1/2/3, FSDP2 (add an entry
 to STRATEGIES, and to EXPECTED if there is a prediction, for another one).
 
     python benchmarks/memory_per_rank.py [--dim 512 --layers 8] [--nproc 2] [--only ddp,zero3]
@@ -49,6 +49,7 @@ STRATEGIES: dict[str, dict] = {
     "zero1": {"data": "zero", "zero_stage": 1},
     "zero2": {"data": "zero", "zero_stage": 2},
     "zero3": {"data": "zero", "zero_stage": 3},
+    "fsdp": {"data": "fsdp"},
 }
 CATEGORIES = ("params", "grads", "master", "optim")
 # Model-state bytes per parameter that ZeRO's analysis predicts for fp32 AdamW on N ranks, with the
@@ -58,6 +59,9 @@ EXPECTED = {
     "zero1": lambda n: 4 + 4 + 12 / n,
     "zero2": lambda n: 4 + 16 / n,
     "zero3": lambda n: 20 / n,
+    # FSDP2 shards params, grads and AdamW state with no separate master copy. NOTE: while gradients
+    # accumulate without sync, each rank briefly holds full-size unsharded gradients (+4 bytes/param).
+    "fsdp": lambda n: 16 / n,
 }
 
 
