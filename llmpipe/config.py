@@ -91,6 +91,9 @@ class ParallelSection(Section):
     allgather_bucket_size: int = Field(500_000_000, ge=1, description="ZeRO-1/2: elements per all-gather.")
     overlap_comm: bool = Field(True, description="ZeRO: overlap gradient reduction with backward.")
     contiguous_gradients: bool = Field(True, description="ZeRO: copy gradients into one contiguous buffer.")
+    zero_optimizer: Literal["auto", "torch", "deepspeed"] = Field(
+        "auto", description="ZeRO: DeepSpeed's own compiled AdamW (FusedAdam / DeepSpeedCPUAdam), or torch "
+        "AdamW as a client optimizer; auto: DeepSpeed's where its ops are prebuilt, else torch.")
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after forward "
                                         "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like).")
 

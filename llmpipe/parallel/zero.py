@@ -2,9 +2,10 @@
 
 ZeRO shards the optimizer states (stage 1), then the gradients (2), then the parameters (3) across
 the data-parallel ranks. DeepSpeed's JSON config is generated from llmpipe's by `deepspeed_config`,
-a pure function, never kept by hand beside it. The optimizer is the torch AdamW the loop built,
-passed in as DeepSpeed's "client optimizer" (DeepSpeed's compiled Adam ops are not needed), and
-the loop's LambdaLR travels with it. `deepspeed` is imported only when a ZeroStrategy is built.
+a pure function, never kept by hand beside it. The optimizer is DeepSpeed's own AdamW where its
+compiled ops are prebuilt, otherwise the torch AdamW the loop built, passed in as a "client
+optimizer" (train.parallel.zero_optimizer); the loop's lr schedule travels with it either way.
+`deepspeed` is imported only when a ZeroStrategy is built.
 
 Checkpoints: each llmpipe checkpoint folder holds DeepSpeed's tag folder `deepspeed/` (per-rank
 model and optimizer state files, with llmpipe's trainer state as DeepSpeed's client state), the
@@ -70,11 +71,35 @@ def _zero_section(p) -> dict[str, Any]:
     return zero
 
 
-def deepspeed_config(cfg, world_size: int, precision: str | None = None) -> dict[str, Any]:
+def ds_optimizer_built() -> bool:
+    """Whether this DeepSpeed install has its compiled Adam ops prebuilt (DS_BUILD_OPS=1 or a wheel
+    built with them); JIT-compiling them at first use is not assumed."""
+    try:
+        from deepspeed.git_version_info import installed_ops
+    except ImportError:
+        return False
+    return bool(installed_ops.get("cpu_adam") or installed_ops.get("fused_adam"))
+
+
+def use_ds_optimizer(cfg) -> bool:
+    """train.parallel.zero_optimizer: auto picks DeepSpeed's own AdamW where its ops are built."""
+    choice = cfg.train.parallel.zero_optimizer
+    return choice == "deepspeed" or (choice == "auto" and ds_optimizer_built())
+
+
+def _optimizer_section(o) -> dict[str, Any]:
+    """DeepSpeed's own AdamW (FusedAdam on accelerators, DeepSpeedCPUAdam when offloaded)."""
+    return {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+                                        "weight_decay": o.weight_decay}}
+
+
+def deepspeed_config(cfg, world_size: int, precision: str | None = None, ds_optimizer: bool = False
+                     ) -> dict[str, Any]:
     """DeepSpeed's config dict for `cfg` on `world_size` data-parallel ranks (a pure function).
 
     `precision` is the resolved train precision (fp32 | bf16 | fp16); None takes
-    cfg.train.precision.dtype, which must then not be "auto".
+    cfg.train.precision.dtype, which must then not be "auto". `ds_optimizer` adds DeepSpeed's own
+    AdamW section (otherwise the loop's torch AdamW is passed in as a client optimizer).
     """
     t = cfg.train
     micro, accum = t.micro_batch_size, t.grad_accum_steps
@@ -93,6 +118,9 @@ def deepspeed_config(cfg, world_size: int, precision: str | None = None) -> dict
         "steps_per_print": _NEVER,
         "wall_clock_breakdown": False,
     }
+    if ds_optimizer:
+        ds["optimizer"] = _optimizer_section(t.optim)
+        del ds["zero_allow_untested_optimizer"], ds["zero_force_ds_cpu_optimizer"]
     ds.update(_precision_sections(precision or t.precision.dtype, t.precision.loss_scale))
     return ds
 
@@ -113,11 +141,17 @@ class ZeroStrategy(Strategy):
         import deepspeed  # heavy, and only needed for data=zero
 
         self.cfg, self.env = cfg, env
-        self.ds_config = deepspeed_config(cfg, env.world, env.precision)
+        own = use_ds_optimizer(cfg)
+        self.ds_config = deepspeed_config(cfg, env.world, env.precision, ds_optimizer=own)
+        kwargs: dict[str, Any] = {"optimizer": optimizer, "lr_scheduler": scheduler}
+        if own:  # DeepSpeed builds its AdamW over the same param groups (no decay on norms)
+            groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
+            factor = scheduler.lr_lambdas[0]
+            kwargs = {"model_parameters": groups,
+                      "lr_scheduler": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)}
         # NOTE: ZeRO-3 partitions the already materialised, initialised module here (no zero.Init at
         # build time): each rank keeps its slice of the same init, so fp32 losses equal DDP's bitwise.
-        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                               config=self.ds_config)
+        engine, _, _, _ = deepspeed.initialize(model=model, config=self.ds_config, **kwargs)
         self.engine = self.module = engine
         check_batch(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
                     engine.dp_world_size, engine.train_batch_size())

@@ -326,3 +326,18 @@ def test_resume_on_another_world_size_is_a_clear_error(tmp_path):
     strategy.env = Env(0, 4, torch.device("cpu"), "fp32")
     with pytest.raises(ValueError, match="written by 2 ranks, this run has 4"):
         strategy.read_checkpoint(tmp_path)
+
+
+def test_deepspeed_own_optimizer_section(tmp_path):
+    """With DeepSpeed's compiled ops prebuilt, its own AdamW is configured from train.optim."""
+    from llmpipe.parallel.zero import ds_optimizer_built, use_ds_optimizer
+
+    cfg = make_cfg(tmp_path, train__parallel={"data": "zero", "zero_stage": 2, "zero_optimizer": "deepspeed"},
+                   train__optim={"lr": 6e-5, "weight_decay": 0.01})
+    ds = deepspeed_config(cfg, 2, precision="fp32", ds_optimizer=True)
+    assert ds["optimizer"] == {"type": "AdamW", "params": {"lr": 6e-5, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                           "weight_decay": 0.01}}
+    assert "zero_force_ds_cpu_optimizer" not in ds
+    assert use_ds_optimizer(cfg)
+    auto = make_cfg(tmp_path, train__parallel={"data": "zero", "zero_stage": 2})
+    assert use_ds_optimizer(auto) == ds_optimizer_built()  # DS_BUILD_OPS=0 here: torch AdamW
