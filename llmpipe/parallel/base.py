@@ -54,3 +54,43 @@ class Strategy:
 
     def close(self) -> None:
         """Drop references to model and optimizer before the process group is destroyed."""
+
+
+class TorchOptimizerStrategy(Strategy):
+    """Shared by strategies that drive a torch optimizer themselves (DDP, FSDP2): loss scaling for
+    fp16, accumulation by dividing the loss, clip -> step -> schedule. Subclasses set `model`,
+    `opt`, `sched`, `scaler` (or None), `accum`, and may override `clip_grad_norm`."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    scaler: Any
+    accum: int
+    max_grad_norm: float | None
+
+    def clip_grad_norm(self) -> torch.Tensor:
+        clip = self.max_grad_norm
+        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
+
+    def backward(self, loss: torch.Tensor) -> None:
+        scaled = loss / self.accum
+        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
+
+    def step(self) -> float:
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        norm = self.clip_grad_norm()
+        if self.scaler is not None:
+            self.scaler.step(self.opt)  # skipped when the unscaled gradients hold inf/nan
+            self.scaler.update()
+        else:
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.opt.param_groups[0]["lr"]
+
+    def loss_scale(self) -> float | None:
+        return float(self.scaler.get_scale()) if self.scaler is not None else None

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmpipe import device as dev
 from llmpipe.models.llama.parallelize import unwrap_state_dict
-from llmpipe.parallel.base import Strategy
+from llmpipe.parallel.base import TorchOptimizerStrategy
 
 MODEL, OPTIM, TRAINER = "model.safetensors", "optimizer.pt", "trainer_state.pt"
 
@@ -32,7 +32,7 @@ def apply_ddp(model: nn.Module, device: torch.device, parallel) -> DDP:
     )
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(TorchOptimizerStrategy):
     """DDP across ranks (plain module in one process); torch AdamW; autocast + GradScaler for fp16."""
 
     format = "full"
@@ -43,7 +43,7 @@ class DDPStrategy(Strategy):
         self.opt, self.sched = optimizer, scheduler
         ls = cfg.train.precision.loss_scale
         self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
-        self.accum = cfg.train.grad_accum_steps
+        self.accum, self.max_grad_norm = cfg.train.grad_accum_steps, cfg.train.optim.clip_grad_norm
         # NOTE: DDP static_graph + no_sync in the very first step trips an internal assert
         # (pytorch #143580): that step syncs every micro-step instead.
         self.sync_first_step = env.world > 1 and cfg.train.parallel.static_graph
@@ -53,30 +53,6 @@ class DDPStrategy(Strategy):
 
     def micro_context(self, sync: bool):
         return contextlib.nullcontext() if sync or self.env.world == 1 else self.module.no_sync()
-
-    def backward(self, loss: torch.Tensor) -> None:
-        scaled = loss / self.accum
-        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-
-    def step(self) -> float:
-        clip = self.cfg.train.optim.clip_grad_norm
-        if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
-        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
-        return float(norm)
-
-    def lr(self) -> float:
-        return self.opt.param_groups[0]["lr"]
-
-    def loss_scale(self) -> float | None:
-        return float(self.scaler.get_scale()) if self.scaler is not None else None
 
     def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
         if self.env.rank != 0:  # replicas are identical: rank 0 writes the whole state

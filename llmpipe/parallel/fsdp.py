@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 from llmpipe import device as dev
 from llmpipe.checkpoint.dcp import DCP_DIR
 from llmpipe.models.llama.parallelize import apply_fsdp
-from llmpipe.parallel.base import Strategy
+from llmpipe.parallel.base import TorchOptimizerStrategy
 from llmpipe.train.loop import build_optimizer
 
 TRAINER = "trainer_state.pt"
@@ -81,7 +81,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
     return out
 
 
-class FSDPStrategy(Strategy):
+class FSDPStrategy(TorchOptimizerStrategy):
     """FSDP2 over a 1-D mesh; mixed precision by policy (no autocast); GradScaler for fp16."""
 
     format = "dcp"
@@ -104,7 +104,7 @@ class FSDPStrategy(Strategy):
         # _amp_foreach_non_finite_check_and_unscale_ reduces found_inf over the mesh (max), so every
         # rank skips the same steps. Gradients are fp32 (the sharded parameters' dtype).
         self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
-        self.accum = cfg.train.grad_accum_steps
+        self.accum, self.max_grad_norm = cfg.train.grad_accum_steps, cfg.train.optim.clip_grad_norm
 
     def micro_context(self, sync: bool):
         # NOTE: without sync FSDP2 keeps unsharded gradients until the last micro-step's
@@ -112,28 +112,8 @@ class FSDPStrategy(Strategy):
         self.model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def backward(self, loss: torch.Tensor) -> None:
-        scaled = loss / self.accum
-        (self.scaler.scale(scaled) if self.scaler else scaled).backward()
-
-    def step(self) -> float:
-        if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
-        norm = clip_grad_norm(list(self.model.parameters()), self.cfg.train.optim.clip_grad_norm)
-        if self.scaler is not None:
-            self.scaler.step(self.opt)
-            self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
-        return float(norm)
-
-    def lr(self) -> float:
-        return self.opt.param_groups[0]["lr"]
-
-    def loss_scale(self) -> float | None:
-        return float(self.scaler.get_scale()) if self.scaler is not None else None
+    def clip_grad_norm(self) -> torch.Tensor:
+        return clip_grad_norm(list(self.model.parameters()), self.max_grad_norm)
 
     def memory_stats(self) -> dict[str, int]:
         return model_state_bytes(self.model, self.opt)
