@@ -97,6 +97,21 @@ class ParallelSection(Section):
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after forward "
                                         "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like).")
 
+    dp: int | None = Field(None, ge=1, description="Data-parallel degree; null: world size / (tp * pp). "
+                           "When set, dp * tp * pp must equal the world size.")
+    tp: int = Field(1, ge=1, description="Tensor-parallel degree: each block's matmuls split over tp ranks "
+                    "(must divide heads, kv heads, ffn dim, vocab and dim).")
+    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: the layers cut into pp stages.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule (torch.distributed.pipelining); interleaved needs virtual_stages.")
+    microbatches: int = Field(4, ge=1, description="Pipeline micro-batches per micro-step (each "
+                              "micro_batch_size / microbatches samples); 1f1b schedules need >= pp.")
+    virtual_stages: int = Field(1, ge=1, description="Stages per pipeline rank (interleaved_1f1b needs >= 2).")
+    split_points: list[int] | None = Field(None, description="Explicit first layer index of every stage but "
+                                           "the first, increasing (pp * virtual_stages - 1 of them); "
+                                           "null: even split, earlier stages take the extra layers.")
+    sequence_parallel: bool = Field(False, description="TP: shard norms and residuals along the sequence.")
+
     @model_validator(mode="after")
     def _layout(self) -> ParallelSection:
         if self.data == "zero" and self.zero_stage == 0:
@@ -108,7 +123,28 @@ class ParallelSection(Section):
         if self.offload_param != "none" and not (self.data == "zero" and self.zero_stage == 3):
             raise ValueError("offload_param needs data=zero with zero_stage=3 "
                              f"(got data={self.data}, zero_stage={self.zero_stage})")
+        self._model_parallel()
         return self
+
+    def _model_parallel(self) -> None:
+        """Checks that need no model or world size (those live in llmpipe.parallel.mesh)."""
+        stages = self.pp * self.virtual_stages
+        if self.pp_schedule == "interleaved_1f1b" and self.virtual_stages < 2:
+            raise ValueError(f"pp_schedule=interleaved_1f1b needs virtual_stages >= 2 (got {self.virtual_stages})")
+        if self.pp_schedule != "interleaved_1f1b" and self.virtual_stages != 1:
+            raise ValueError(f"virtual_stages={self.virtual_stages} needs pp_schedule=interleaved_1f1b "
+                             f"(got {self.pp_schedule})")
+        if self.pp > 1 and self.pp_schedule != "gpipe" and self.microbatches < self.pp:
+            raise ValueError(f"pp_schedule={self.pp_schedule} needs microbatches >= pp "
+                             f"(got microbatches={self.microbatches}, pp={self.pp})")
+        if self.split_points is not None and len(self.split_points) != stages - 1:
+            raise ValueError(f"split_points needs pp * virtual_stages - 1 = {stages - 1} entries "
+                             f"(got {len(self.split_points)})")
+        if self.split_points and any(b <= a for a, b in zip([0, *self.split_points], self.split_points)):
+            raise ValueError(f"split_points must be positive and strictly increasing (got {self.split_points})")
+        if self.zero_stage and (self.tp > 1 or self.pp > 1):
+            raise ValueError(f"data=zero does not compose with tp/pp here (got tp={self.tp}, pp={self.pp}); "
+                             "use data=ddp or fsdp")
 
 
 class LossScaleSection(Section):
@@ -188,6 +224,7 @@ class ConsolidateSection(Section):
 
 class ExportSection(Section):
     opset: int = Field(17, ge=14, le=21, description="ONNX opset (ATC reads 9-18; SDPA needs >= 14).")
+    kv_cache: bool = Field(True, description="Also export decoder_with_past.onnx (KV-cache decoding).")
     parity_atol: float = Field(1.0e-3, gt=0, description="Max abs logit difference ORT vs PyTorch.")
     parity_shapes: list[tuple[int, int]] = Field([(1, 16), (2, 64)], min_length=1,
                                                  description="(batch, seq) shapes checked for parity.")

@@ -1,9 +1,10 @@
-"""export_onnx stage: consolidated weights -> ONNX prefill graph, checked, with ORT parity numbers.
+"""export_onnx stage: consolidated weights -> ONNX graphs, checked, with ORT parity numbers.
 
-The prefill graph maps `input_ids` int64 (batch, seq) to `logits` float32 (batch, seq, vocab) with
-dynamic batch and sequence axes. Each graph has its own export function over the shared
-`_export_graph`, so a KV-cache decoder (decoder_with_past.onnx) can be added beside
-`export_prefill` without touching it.
+model.onnx (prefill) maps `input_ids` int64 (batch, seq) to `logits` float32 (batch, seq, vocab)
+with dynamic batch and sequence axes. decoder_with_past.onnx (export.kv_cache) continues a
+sequence: `input_ids` (batch, seq) plus `past.{i}.key/value` (batch, kv_heads, past, head_dim) per
+layer -> `logits` and `present.{i}.key/value` (batch, kv_heads, past + seq, head_dim). Each graph
+has its own export function over the shared `_export_graph`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from llmpipe.stages import StageContext, StageError, StageResult
 log = logging.getLogger("llmpipe.export")
 
 MODEL_FILE = "model.onnx"
+DECODER_FILE = "decoder_with_past.onnx"
 PARITY_FILE = "parity.json"
 # Protobuf cannot serialize a message over 2 GiB; above this many bytes of weights the tensors go
 # to one external data file beside the graph (`<graph>.data`).
@@ -121,6 +123,65 @@ def export_prefill(model: Transformer, path: Path, opset: int,
                          external=weight_bytes(model) > external_data_bytes)
 
 
+class _Decoder(nn.Module):
+    """Flat-argument wrapper of Transformer.forward_cached for the ONNX exporter."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, *past_flat: torch.Tensor):
+        past = [(past_flat[2 * i], past_flat[2 * i + 1]) for i in range(len(past_flat) // 2)]
+        logits, present = self.model.forward_cached(input_ids, past)
+        return (logits, *[t for kv in present for t in kv])
+
+
+def decoder_names(n_layers: int, kind: str) -> list[str]:
+    """past.{i}.key, past.{i}.value, ... (or present.*) in layer order."""
+    return [f"{kind}.{i}.{part}" for i in range(n_layers) for part in ("key", "value")]
+
+
+def export_decoder(model: Transformer, path: Path, opset: int,
+                   external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
+    """Export the KV-cache decoder graph (batch, new tokens and past length all dynamic)."""
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError("export_decoder needs an fp32 model (load it with dtype=torch.float32)")
+    model.eval()
+    a = model.args
+    # NOTE: trace with past 5 and 3 new tokens (not 1) so no axis is baked in as a constant.
+    ids = torch.from_numpy(random_ids(2, 3, a.vocab_size, seed=0))
+    with torch.no_grad():
+        _, past = model.forward_cached(torch.from_numpy(random_ids(2, 5, a.vocab_size, seed=1)))
+    past_names, present_names = decoder_names(a.n_layers, "past"), decoder_names(a.n_layers, "present")
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"}}
+    axes.update({n: {0: "batch", 2: "past_seq"} for n in past_names})
+    axes.update({n: {0: "batch", 2: "total_seq"} for n in present_names})
+    flat = tuple(t for kv in past for t in kv)
+    return _export_graph(_Decoder(model), (ids, *flat), Path(path), opset, ["input_ids", *past_names],
+                         ["logits", *present_names], axes, external=weight_bytes(model) > external_data_bytes)
+
+
+def decoder_parity(model: Transformer, onnx_path: Path, shapes: Sequence[Sequence[int]], seed: int) -> dict:
+    """For each (batch, seq): PyTorch builds the cache of the first seq//2 tokens, onnxruntime's
+    decoder continues with the rest; its logits are compared with PyTorch's full-sequence pass,
+    which also checks the cache maths (positions, bottom-right causal mask)."""
+    provider = device.ort_providers(["cpu"])[0]
+    session = ort.InferenceSession(str(onnx_path), providers=[provider.ort_name])
+    names = decoder_names(model.args.n_layers, "past")
+    per_shape = []
+    for i, (batch, seq) in enumerate(shapes):
+        ids = random_ids(batch, max(seq, 2), model.args.vocab_size, seed + 100 + i)
+        cut = ids.shape[1] // 2
+        with torch.inference_mode():
+            ref = model(torch.from_numpy(ids)).float().numpy()[:, cut:]  # (B, T - cut, vocab)
+            _, past = model.forward_cached(torch.from_numpy(ids[:, :cut]))
+        feed = {"input_ids": ids[:, cut:], **{n: t.numpy() for n, t in zip(names, (t for kv in past for t in kv))}}
+        out = session.run(["logits"], feed)[0]
+        per_shape.append({"batch": batch, "past": cut, "new": ids.shape[1] - cut, **logit_agreement(ref, out)})
+    return {"shapes": per_shape, "max_abs_diff": max(s["max_abs_diff"] for s in per_shape),
+            "top1_agreement": min(s["top1_agreement"] for s in per_shape)}
+
+
 def check_model(path: Path) -> None:
     """onnx.checker on the file: by path, so models with external data (> 2 GiB) work too."""
     onnx.checker.check_model(str(path))
@@ -176,16 +237,25 @@ def run(ctx: StageContext) -> StageResult:
     log.info("exported %s (%d bytes) in %.1fs", path, sum(f.stat().st_size for f in files), export_s)
 
     report = parity(model, path, cfg.parity_shapes, ctx.cfg.run.seed)
-    report = {"atol": cfg.parity_atol, "passed": report["max_abs_diff"] <= cfg.parity_atol, **report}
-    write_json_atomic(ctx.work_dir / PARITY_FILE, report)
-    if not report["passed"]:
-        raise StageError(f"export_onnx: ONNX Runtime logits differ from PyTorch by up to "
-                         f"{report['max_abs_diff']:.3g}, above export.parity_atol={cfg.parity_atol:g} "
-                         f"(details in {PARITY_FILE})")
-
     outputs = {"model": MODEL_FILE, "parity": PARITY_FILE}
     if len(files) > 1:
         outputs["model_data"] = files[1].name
+    worst = report["max_abs_diff"]
+    if cfg.kv_cache:
+        dec_files = export_decoder(model, ctx.work_dir / DECODER_FILE, cfg.opset)
+        check_model(ctx.work_dir / DECODER_FILE)
+        report["decoder"] = decoder_parity(model, ctx.work_dir / DECODER_FILE, cfg.parity_shapes, ctx.cfg.run.seed)
+        worst = max(worst, report["decoder"]["max_abs_diff"])
+        outputs["decoder"] = DECODER_FILE
+        if len(dec_files) > 1:
+            outputs["decoder_data"] = dec_files[1].name
+    report = {"atol": cfg.parity_atol, "passed": worst <= cfg.parity_atol, **report}
+    write_json_atomic(ctx.work_dir / PARITY_FILE, report)
+    if not report["passed"]:
+        raise StageError(f"export_onnx: ONNX Runtime logits differ from PyTorch by up to "
+                         f"{worst:.3g}, above export.parity_atol={cfg.parity_atol:g} "
+                         f"(details in {PARITY_FILE})")
+
     metrics = {
         "opset": file_opset(path),
         "onnx_bytes": sum(f.stat().st_size for f in files),
@@ -193,6 +263,7 @@ def run(ctx: StageContext) -> StageResult:
         "parity_max_abs_diff": report["max_abs_diff"],
         "parity_mean_abs_diff": report["mean_abs_diff"],
         "parity_top1_agreement": report["top1_agreement"],
+        "decoder_parity_max_abs_diff": report["decoder"]["max_abs_diff"] if cfg.kv_cache else None,
         "export_seconds": round(export_s, 3),
     }
     return StageResult(outputs=outputs, metrics=metrics)

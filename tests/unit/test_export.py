@@ -58,7 +58,7 @@ def test_stage_exports_with_parity_on_dynamic_shapes(tmp_path):
     manifest, executed = stages.run_stage("export_onnx", cfg)
 
     assert executed and manifest.status == "completed"
-    assert set(manifest.outputs) == {"model", "parity"}
+    assert set(manifest.outputs) == {"model", "parity", "decoder"}
     folder = stages.stage_dir(cfg.run_dir(), "export_onnx")
     parity = json.loads((folder / "parity.json").read_text())
     assert [(s["batch"], s["seq"]) for s in parity["shapes"]] == [(1, 5), (3, 40)]
@@ -115,3 +115,20 @@ def test_export_refuses_non_fp32_model(tmp_path):
     model = Transformer(FLAVORS["debug"]).to(torch.bfloat16)
     with pytest.raises(ValueError, match="fp32"):
         export.export_prefill(model, tmp_path / "model.onnx", opset=17)
+
+
+def test_kv_cache_decoder_continues_a_sequence_like_the_full_pass(tmp_path):
+    """decoder_with_past.onnx, fed PyTorch's cache of a prefix, matches PyTorch's full-sequence
+    logits for the rest (dynamic batch, new-token count and past length; bottom-right causal mask)."""
+    model = _model_folder(tmp_path / "m")
+    path = tmp_path / "dec.onnx"
+    export.export_decoder(model, path, opset=17)
+    export.check_model(path)
+    report = export.decoder_parity(model, path, [(1, 2), (3, 9), (2, 40)], seed=0)
+    assert [(s["batch"], s["past"], s["new"]) for s in report["shapes"]] == [(1, 1, 1), (3, 4, 5), (2, 20, 20)]
+    assert report["max_abs_diff"] <= 1e-4 and report["top1_agreement"] == 1.0
+    graph = onnx.load(str(path), load_external_data=False).graph
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    names = {i.name: dims(i) for i in graph.input}
+    assert names["past.0.key"] == ["batch", model.args.n_kv_heads, "past_seq", model.args.head_dim]
+    assert {o.name for o in graph.output} >= {"logits", "present.1.value"}

@@ -87,3 +87,16 @@ def test_hf_llama_gives_the_same_logits():
     x = torch.randint(0, m.args.vocab_size, (2, 20))
     with torch.no_grad():
         torch.testing.assert_close(ref(x).logits, m(x), rtol=1e-4, atol=1e-4)
+
+
+def test_kv_cache_decoding_equals_the_full_pass():
+    m = _model()
+    x = torch.randint(0, m.args.vocab_size, (2, 12))
+    with torch.no_grad():
+        full = m(x)
+        _, past = m.forward_cached(x[:, :7])
+        step, present = m.forward_cached(x[:, 7:8], past)  # one token at a time
+        rest, _ = m.forward_cached(x[:, 8:], present)
+    torch.testing.assert_close(step, full[:, 7:8], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rest, full[:, 8:], rtol=1e-5, atol=1e-5)
+    assert present[0][0].shape == (2, m.args.n_kv_heads, 8, m.args.head_dim)  # cached before GQA repeat

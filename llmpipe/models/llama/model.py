@@ -100,19 +100,36 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard (fewer local heads) works.
         q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        B, _, T, _ = q.shape
         rep = q.shape[1] // k.shape[1]
         if rep > 1:  # GQA: each kv head serves `rep` query heads
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return self._attend(*self._qkv(x, cos, sin), mask=None)
+
+    def forward_cached(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
+        """Attention over past keys/values plus this chunk; returns (out, (keys, values)) where the
+        cache is (B, Hkv, past + T, hd), kept before the GQA repeat so it stays small."""
+        q, k, v = self._qkv(x, cos, sin)
+        if past is not None:
+            k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)
+        return self._attend(q, k, v, mask), (k, v)
 
 
 class FeedForward(nn.Module):
@@ -137,6 +154,11 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
         return h + self.feed_forward(self.ffn_norm(h))
+
+    def forward_cached(self, x, cos, sin, mask, past):
+        a, present = self.attention.forward_cached(self.attention_norm(x), cos, sin, mask, past)
+        h = x + a
+        return h + self.feed_forward(self.ffn_norm(h)), present
 
 
 class Transformer(nn.Module):
@@ -184,3 +206,22 @@ class Transformer(nn.Module):
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+    def forward_cached(self, tokens: torch.Tensor, past: list[tuple[torch.Tensor, torch.Tensor]] | None = None):
+        """Incremental decoding: tokens (B, T) continue a sequence whose keys/values per layer are
+        `past` (each (B, Hkv, P, hd)); returns logits (B, T, vocab) and the extended caches.
+
+        NOTE: SDPA's is_causal mask is top-left aligned, which is wrong once P > 0; the explicit mask
+        lets query i (absolute position P + i) see keys 0 .. P + i (bottom-right aligned).
+        """
+        h = self.tok_embeddings(tokens)
+        T = h.shape[1]
+        P = past[0][0].shape[2] if past else 0
+        cos, sin = self.rope_cos[P:P + T].to(h.dtype), self.rope_sin[P:P + T].to(h.dtype)
+        q_pos = torch.arange(T, device=h.device) + P
+        mask = torch.arange(P + T, device=h.device)[None, :] <= q_pos[:, None]  # (T, P + T)
+        presents = []
+        for i, layer in enumerate(self.layers.values()):
+            h, kv = layer.forward_cached(h, cos, sin, mask, past[i] if past else None)
+            presents.append(kv)
+        return self.output(self.norm(h)), presents

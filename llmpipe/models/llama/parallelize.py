@@ -11,8 +11,68 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
 
 from llmpipe.models.llama.model import Transformer
+
+
+def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Transformer:
+    """Tensor parallel (torchtitan's LLaMA plan) over the 1-D `tp_mesh`, in place.
+
+    q/k/v and w1/w3 are split column-wise (each rank holds n_heads/tp heads, ffn_dim/tp columns), wo
+    and w2 row-wise, so each block needs one all-reduce after attention and one after the MLP. The
+    embedding is split row-wise (by vocabulary) and the head column-wise with replicated logits (no
+    loss parallel). With `sequence_parallel` the norms and residual stream are sharded on the
+    sequence dim (B, T/tp, d) and the all-reduces become reduce-scatter + all-gather.
+    Works on a pipeline stage: missing embedding / norm / head are skipped.
+    """
+    seq = Shard(1) if sequence_parallel else Replicate()
+    # NOTE: with sequence parallel the residual stays a DTensor (use_local_output=False) so that
+    # h.shape[1] in Transformer.forward is the global T that slices the RoPE tables.
+    keep = not sequence_parallel
+    root: dict = {}
+    if model.tok_embeddings is not None:
+        root["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                                 use_local_output=keep)
+    if model.norm is not None and sequence_parallel:
+        root["norm"] = SequenceParallel()
+    if model.output is not None:
+        root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
+    if root:
+        parallelize_module(model, tp_mesh, root)
+    for block in model.layers.values():
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+    return model
+
+
+def _block_plan(sequence_parallel: bool) -> dict:
+    """One TransformerBlock's plan; the attention/MLP inputs are gathered when sequence parallel."""
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if not sequence_parallel:
+        return {**plan, "attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    gather = PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
+    return {
+        **plan,
+        "attention_norm": SequenceParallel(),
+        "ffn_norm": SequenceParallel(),
+        "attention": gather,
+        "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
+    }
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:
