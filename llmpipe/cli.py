@@ -4,6 +4,7 @@
     llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
+    llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
 
 User errors print one line, `error: ...`, and exit with status 2 (config) or 1 (a stage failed).
 """
@@ -45,6 +46,13 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument("--artifacts-dir", default="artifacts")
     status.add_argument("--config", help="compare against this config instead of the recorded one")
     status.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    dry = sub.add_parser("dryrun", help="build the dp x tp x pp mesh, TP plan and PP stages at full world size "
+                         "without hardware; print per-rank parameters and model-state memory")
+    dry.add_argument("config")
+    dry.add_argument("--world-size", type=int, help="default: dp * tp * pp from the config")
+    dry.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    dry.add_argument("--all-ranks", action="store_true", help="print every rank, not only dp replica 0")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -115,6 +123,18 @@ def _run_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _dryrun(args: argparse.Namespace) -> int:
+    from llmpipe.parallel.mesh import LayoutError
+    from llmpipe.train import dry_run
+
+    cfg = config_mod.load(args.config, list(args.overrides))
+    try:
+        print(dry_run.run(cfg, args.world_size or dry_run.default_world_size(cfg), args.all_ranks))
+    except LayoutError as err:
+        raise ConfigError(f"{args.config}: train.parallel: {err}") from None
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
@@ -130,6 +150,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_stage(args)
         if args.command == "status":
             return _status(args)
+        if args.command == "dryrun":
+            return _dryrun(args)
         from llmpipe import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")

@@ -26,3 +26,9 @@ def apply(model: nn.Module, mesh: DeviceMesh, sequence_parallel: bool = False) -
 def local_numel(model: nn.Module) -> int:
     """Parameters this rank holds: a DTensor counts its local shard, a plain tensor all of it."""
     return sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in model.parameters())
+
+
+def replicated_numel(model: nn.Module) -> int:
+    """Parameters held whole on every tp rank (the norms): plain tensors or DTensors with no Shard placement."""
+    return sum(p.numel() for p in model.parameters()
+               if not isinstance(p, DTensor) or all(pl.is_replicate() for pl in p.placements))

@@ -37,6 +37,7 @@ class RankReport:
     stages: list[int]
     layers: list[int]
     params: int
+    replicated: int  # of `params`, those every tp rank holds whole (norm weights)
     state_bytes: int
     schedule: str
 
@@ -67,6 +68,8 @@ def rank_report(cfg: RunConfig, args: ModelArgs, dims: mesh_mod.ParallelDims, ra
     par = cfg.train.parallel
     device_mesh = mesh_mod.build_mesh(dims, "cpu")
     c = dims.coords(rank)
+    if tuple(device_mesh.get_coordinate()) != (c["pp"], c["dp"], c["tp"]):  # the table's coordinates are the mesh's
+        raise AssertionError(f"rank {rank}: mesh coordinate {device_mesh.get_coordinate()} != {c}")
     n_stages = dims.pp * par.virtual_stages
     splits = pipeline.split_layers(args.n_layers, n_stages, par.split_points)
     ids = pipeline.stage_ids(c["pp"], dims.pp, par.virtual_stages)
@@ -76,8 +79,9 @@ def rank_report(cfg: RunConfig, args: ModelArgs, dims: mesh_mod.ParallelDims, ra
         stages = pipeline.make_stages(modules, ids, n_stages, torch.device("cpu"), group=device_mesh["pp"].get_group())
         schedule = type(pipeline.make_schedule(par.pp_schedule, stages, par.microbatches, loss_fn=None)).__name__
     params = sum(tensor_parallel.local_numel(m) for m in modules)
+    replicated = sum(tensor_parallel.replicated_numel(m) for m in modules)
     shard = dims.dp if par.data == "fsdp" else 1
-    return RankReport(rank, c["pp"], c["dp"], c["tp"], ids, [i for s in ids for i in splits[s]], params,
+    return RankReport(rank, c["pp"], c["dp"], c["tp"], ids, [i for s in ids for i in splits[s]], params, replicated,
                       params * STATE_BYTES_PER_PARAM // shard, schedule)
 
 
@@ -102,13 +106,21 @@ def _layers(ids: list[int]) -> str:
 
 
 def format_table(reports: list[RankReport]) -> str:
-    """One line per rank: mesh coordinates, pipeline stage(s), layers held, local parameters, memory."""
-    head = f"{'rank':>4} {'pp':>2} {'dp':>2} {'tp':>2}  {'stage':<6} {'layers':<12} {'params':>14} {'states GiB':>10}"
+    """One line per rank: mesh coordinates, pipeline stage(s), layers held, local parameters (of which
+    `replicated` are held whole on every tp rank), model-state memory."""
+    head = (f"{'rank':>4} {'pp':>2} {'dp':>2} {'tp':>2}  {'stage':<6} {'layers':<12} {'params':>14} "
+            f"{'replicated':>10} {'states GiB':>10}")
     lines = [head, "-" * len(head)]
     for r in reports:
         lines.append(f"{r.rank:>4} {r.pp:>2} {r.dp:>2} {r.tp:>2}  {','.join(map(str, r.stages)):<6} "
-                     f"{_layers(r.layers):<12} {r.params:>14,} {r.state_bytes / 2**30:>10.2f}")
+                     f"{_layers(r.layers):<12} {r.params:>14,} {r.replicated:>10,} {r.state_bytes / 2**30:>10.2f}")
     return "\n".join(lines)
+
+
+def unique_params(reports: list[RankReport], tp: int) -> int:
+    """Distinct parameters across dp replica 0: replicated weights appear on all tp ranks, count them once."""
+    rep0 = [r for r in reports if r.dp == 0]
+    return sum(r.params for r in rep0) - sum(r.replicated for r in rep0) * (tp - 1) // tp
 
 
 def summary(cfg: RunConfig, reports: list[RankReport], world_size: int) -> str:
@@ -116,14 +128,15 @@ def summary(cfg: RunConfig, reports: list[RankReport], world_size: int) -> str:
     t, par = cfg.train, cfg.train.parallel
     args = model_args(cfg.model, cfg.data.tokenizer.vocab_size if cfg.data.tokenizer.path is None else None)
     dims = mesh_mod.validate(par, args, world_size)
-    replica = sum(r.params for r in reports if r.dp == 0)
+    replica = unique_params(reports, dims.tp)
     seqs = t.micro_batch_size * t.grad_accum_steps * dims.dp
     v = par.virtual_stages
     return "\n".join([
         f"layout: dp={dims.dp} x tp={dims.tp} x pp={dims.pp} = {world_size} ranks; data={par.data}, "
-        f"schedule={par.pp_schedule}, sequence_parallel={par.sequence_parallel}",
-        f"model: {cfg.model.flavor}, {args.num_params():,} parameters; dp replica 0 holds {replica:,} "
-        f"({'complete' if replica == args.num_params() else 'MISMATCH'})",
+        f"schedule={par.pp_schedule} (built: {reports[0].schedule}), sequence_parallel={par.sequence_parallel}",
+        f"model: {cfg.model.flavor}, {args.num_params():,} parameters; dp replica 0 holds {replica:,} distinct "
+        f"({'complete' if replica == args.num_params() else 'MISMATCH'}; norm weights are replicated on each "
+        f"tp rank and counted once)",
         f"global batch: micro {t.micro_batch_size} x accum {t.grad_accum_steps} x dp {dims.dp} = {seqs} sequences "
         f"x {cfg.data.seq_len} tokens = {seqs * cfg.data.seq_len:,} tokens per optimizer step",
         f"pipeline: {par.microbatches} micro-batches of {t.micro_batch_size // par.microbatches} per micro-step; "
@@ -131,6 +144,12 @@ def summary(cfg: RunConfig, reports: list[RankReport], world_size: int) -> str:
         f"model states: {STATE_BYTES_PER_PARAM} B/param (fp32 weights + grads + 2 AdamW moments"
         f"{', / dp for fsdp' if par.data == 'fsdp' else ''}); activations not included",
     ])
+
+
+def default_world_size(cfg: RunConfig) -> int:
+    """dp * tp * pp when the config names dp, else one node's nproc_per_node."""
+    par = cfg.train.parallel
+    return par.dp * par.tp * par.pp if par.dp is not None else cfg.train.nproc_per_node
 
 
 def run(cfg: RunConfig, world_size: int, all_ranks: bool = False) -> str:

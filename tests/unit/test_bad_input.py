@@ -161,3 +161,11 @@ def test_too_big_file_is_skipped_with_reason_or_fails_clearly(tmp_path, capsys):
 def test_train_before_data_names_the_missing_stage(tmp_path, capsys):
     code, line = _run(tmp_path, _base(tmp_path), capsys, stage="train")
     assert code == 1 and line == "error: train needs prepare_data, which is missing; run prepare_data first"
+
+
+def test_tp_pp_training_is_refused_until_wired_in(tmp_path, capsys):
+    tree = _set(_base(tmp_path), "train.parallel.tp", 2)
+    code, _ = _run(tmp_path, tree, capsys)  # prepare_data runs fine
+    assert code == 0
+    code, line = _run(tmp_path, tree, capsys, stage="train")
+    assert code == 1 and "tp=2, pp=1: tensor/pipeline-parallel training is not wired" in line
