@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,3 +67,45 @@ def make_data_dir(folder: Path, seq_len: int = 32, vocab: int = 256, n_docs: int
 @pytest.fixture
 def data_dir(tmp_path: Path) -> Path:
     return make_data_dir(tmp_path / "data")
+
+
+def torchrun(cfg: config_mod.RunConfig, data_dir: Path, out: Path, nproc: int = 2) -> tuple[int, str]:
+    """Train `cfg` on `nproc` gloo ranks under torchrun (as the train stage does); (exit code, output)."""
+    import yaml
+
+    from llmpipe.train.launch import run_streaming, torchrun_argv
+
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg.to_dict()))
+    lines: list[str] = []
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    code, _ = run_streaming(torchrun_argv(nproc, path, data_dir, out), lines.append, env=env)
+    return code, "\n".join(lines)
+
+
+def losses(out: Path) -> list[float]:
+    """Per-step training losses from a run's metrics.jsonl."""
+    from llmpipe.train import metrics
+
+    return [r["loss"] for r in metrics.read(out / "metrics.jsonl") if "loss" in r]
+
+
+def cached_runs(tmp_path_factory, prefix: str, base: dict) -> Callable[..., Path]:
+    """run(name, **cfg sections) -> output folder of a 2-rank torchrun training with `base` + sections;
+    each distinct name trains once per test module. `run.data` is the shared data folder."""
+    root = tmp_path_factory.mktemp(prefix)
+    data = make_data_dir(root / "data")
+    done: dict[str, Path] = {}
+
+    def run(name: str, **sections) -> Path:
+        if name not in done:
+            cfg = make_cfg(root / name, **{**base, **sections})
+            code, text = torchrun(cfg, data, root / name)
+            assert code == 0, text[-3000:]
+            assert "terminate called" not in text, text[-3000:]  # torch 2.13 + gloo exit abort
+            done[name] = root / name
+        return done[name]
+
+    run.data = data
+    return run

@@ -6,30 +6,15 @@ import os
 
 import pytest
 import torch
-import yaml
 from safetensors.torch import load_file
 
 from llmpipe.checkpoint import io as ckpt
-from llmpipe.train import metrics
-from llmpipe.train.launch import run_streaming, torchrun_argv
 from llmpipe.train.loop import train
+from tests.conftest import losses as _losses
 from tests.conftest import make_cfg
+from tests.conftest import torchrun as _torchrun
 
 pytestmark = pytest.mark.slow
-
-
-def _torchrun(cfg, data_dir, out, nproc=2):
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / "config.yaml"
-    path.write_text(yaml.safe_dump(cfg.to_dict()))
-    lines: list[str] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    code, _ = run_streaming(torchrun_argv(nproc, path, data_dir, out), lines.append, env=env)
-    return code, "\n".join(lines)
-
-
-def _losses(out):
-    return [r["loss"] for r in metrics.read(out / "metrics.jsonl") if "loss" in r]
 
 
 @pytest.mark.parametrize("static_graph", [True, False])

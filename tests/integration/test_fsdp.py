@@ -26,8 +26,9 @@ from llmpipe.checkpoint.dcp import DCP_DIR, consolidate_dcp
 from llmpipe.config import from_dict
 from llmpipe.stages import run_stage
 from llmpipe.train import metrics
-from tests.conftest import ROOT, make_cfg, make_data_dir
-from tests.integration.test_ddp import _losses, _torchrun
+from tests.conftest import ROOT, cached_runs, make_cfg
+from tests.conftest import losses as _losses
+from tests.conftest import torchrun as _torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -42,22 +43,8 @@ BF16_LOSS_ATOL = 5e-3
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """run(name, **cfg sections) -> output folder; each distinct run trains once per module."""
-    root = tmp_path_factory.mktemp("fsdp")
-    data = make_data_dir(root / "data")
-    done: dict[str, Path] = {}
-
-    def run(name: str, **sections) -> Path:
-        if name not in done:
-            cfg = make_cfg(root / name, train__micro_batch_size=4, train__grad_accum_steps=2,
-                           train__max_steps=STEPS, **sections)
-            code, text = _torchrun(cfg, data, root / name)
-            assert code == 0, text[-3000:]
-            done[name] = root / name
-        return done[name]
-
-    run.data = data
-    return run
+    return cached_runs(tmp_path_factory, "fsdp", {"train__micro_batch_size": 4, "train__grad_accum_steps": 2,
+                                                  "train__max_steps": STEPS})
 
 
 def _ddp(runs, precision="fp32"):

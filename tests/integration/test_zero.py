@@ -25,8 +25,9 @@ from llmpipe.parallel.zero import TAG, ZeroStrategy, check_batch, deepspeed_conf
 from llmpipe.stages import run_stage
 from llmpipe.train import metrics
 from llmpipe.train.loop import Env
-from tests.conftest import make_cfg, make_data_dir
-from tests.integration.test_ddp import _losses, _torchrun
+from tests.conftest import cached_runs, make_cfg
+from tests.conftest import losses as _losses
+from tests.conftest import torchrun as _torchrun
 
 STEPS = 6
 BASE = {"train__micro_batch_size": 4, "train__grad_accum_steps": 2, "train__max_steps": STEPS,
@@ -50,22 +51,7 @@ STAGES = (1, 2, 3)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """run(name, **cfg sections) -> output folder; each distinct run trains once per module."""
-    root = tmp_path_factory.mktemp("zero")
-    data = make_data_dir(root / "data")
-    done: dict[str, Path] = {}
-
-    def run(name: str, **sections) -> Path:
-        if name not in done:
-            cfg = make_cfg(root / name, **{**BASE, **sections})
-            code, text = _torchrun(cfg, data, root / name)
-            assert code == 0, text[-3000:]
-            assert "terminate called" not in text, text[-3000:]  # torch 2.13 + gloo exit abort
-            done[name] = root / name
-        return done[name]
-
-    run.data = data
-    return run
+    return cached_runs(tmp_path_factory, "zero", BASE)
 
 
 def _ddp(runs, precision="fp32"):
