@@ -67,11 +67,12 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 def _recorded_config(run: str, artifacts_dir: str) -> config_mod.RunConfig:
     """The config of a run as recorded by its most recently finished stage."""
     from llmpipe.manifest import Manifest
+    from llmpipe.stages import stage_dir
 
     if not config_mod.RUN_NAME_RE.match(run):
         raise ConfigError(f"run {run!r}: not a valid run name")
     run_dir = Path(artifacts_dir) / run
-    manifests = [m for s in STAGES if (m := Manifest.read(run_dir / f"{STAGES.index(s) + 1:02d}_{s}"))]
+    manifests = [m for s in STAGES if (m := Manifest.read(stage_dir(run_dir, s)))]
     if not manifests:
         raise ConfigError(f"{run_dir}: no stage of run {run!r} has finished yet")
     latest = max(manifests, key=lambda m: m.finished_at)

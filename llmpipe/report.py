@@ -85,9 +85,10 @@ def _stage_section(cfg: RunConfig) -> str:
     run_dir = cfg.run_dir()
     for r in rows:
         folder = stage_dir(run_dir, r["stage"])
-        links = [f'<a href="{html.escape(folder.name)}/{html.escape(Manifest.read(folder).outputs[o]["path"])}">'
-                 f"{html.escape(o)}</a>" for o in r.pop("outputs")[:8]]
-        r["outputs"] = links
+        names = r.pop("outputs")[:8]
+        entries = Manifest.read(folder).outputs if names else {}  # read once per stage
+        r["outputs"] = [f'<a href="{html.escape(folder.name)}/{html.escape(entries[o]["path"])}">'
+                        f"{html.escape(o)}</a>" for o in names]
     cols = ["stage", "state", "status", "reason", "duration_s", "fingerprint", "finished_at"]
     body = "".join("<tr>" + "".join(f"<td>{_cell(r[c])}</td>" for c in cols)
                    + f"<td>{' '.join(r['outputs'])}</td></tr>" for r in rows)

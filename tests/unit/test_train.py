@@ -14,11 +14,8 @@ from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.train import metrics
 from llmpipe.train.loop import train
 from llmpipe.train.schedule import lr_factor
+from tests.conftest import losses as _losses
 from tests.conftest import make_cfg
-
-
-def _losses(out):
-    return [r["loss"] for r in metrics.read(out / "metrics.jsonl") if "loss" in r]
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
