@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -29,6 +30,33 @@ class Strategy:
     def micro_context(self, sync: bool) -> contextlib.AbstractContextManager:
         """Around a micro-step's forward+backward; `sync=False` may skip gradient communication."""
         return contextlib.nullcontext()
+
+    # The data-parallel coordinates: which share of each global batch this rank reads. Ranks that
+    # differ only in their tensor/pipeline coordinate read the same samples.
+    @property
+    def data_rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def data_world(self) -> int:
+        return self.env.world
+
+    eval_batch_fixed = False  # True where every forward must see a full micro-batch (pipeline shapes)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """One micro-batch: forward, mean token cross-entropy, backward. Returns the detached loss, or
+        None on a rank that does not see it (an early pipeline stage)."""
+        with self.forward_context():
+            logits = self.module(x)  # (B, T, vocab)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        self.backward(loss)
+        return loss.detach()
+
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Mean token cross-entropy of one batch without gradients (None where not seen)."""
+        with torch.no_grad(), self.forward_context():
+            logits = self.module(x)
+        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's mean loss (the strategy divides by accumulation)."""

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
@@ -53,11 +52,14 @@ def _env(cfg: RunConfig) -> Env:
     return Env(rank, world, device, dev.precision(device, cfg.train.precision.dtype))
 
 
-def _all_mean(x: torch.Tensor, env: Env) -> torch.Tensor:
+def _reported_mean(local: torch.Tensor | None, env: Env) -> torch.Tensor:
+    """Mean over the ranks that saw a loss (all, or the last pipeline stage's); NaN when none did."""
+    pair = torch.zeros(2, device=env.device, dtype=torch.float64)
+    if local is not None:
+        pair[0], pair[1] = local.double(), 1.0
     if env.world > 1:
-        dist.all_reduce(x, op=dist.ReduceOp.SUM)
-        x = x / env.world
-    return x
+        dist.all_reduce(pair, op=dist.ReduceOp.SUM)
+    return pair[0] / pair[1] if pair[1] > 0 else torch.tensor(float("nan"))
 
 
 def build_model(cfg: RunConfig, vocab_size: int, env: Env):
@@ -95,25 +97,27 @@ def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.d
     return t[:, :-1], t[:, 1:]  # inputs (B, T), targets (B, T)
 
 
-def _loss(strategy, x, y) -> torch.Tensor:
-    with strategy.forward_context():
-        logits = strategy.module(x)  # (B, T, vocab)
-    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-
-
 @torch.no_grad()
 def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
-    """Mean validation loss over the same fixed samples every time, split across ranks."""
+    """Mean validation loss over the same fixed samples every time, split across data-parallel ranks."""
     model = strategy.module
     model.eval()
     mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
-    n = min(shard.num_samples(T), cfg.train.eval.batches * mb * env.world)
-    mine = np.arange(env.rank, n, env.world)
+    dp, rank = strategy.data_world, strategy.data_rank
+    n = min(shard.num_samples(T), cfg.train.eval.batches * mb * dp)
+    if strategy.eval_batch_fixed:  # a pipeline runs whole micro-batches only
+        n -= n % (mb * dp)
+        if n == 0:
+            raise ValueError(f"validation shard holds {shard.num_samples(T)} samples of seq_len {T}, fewer than "
+                             f"one micro-batch per data-parallel rank ({mb} x dp={dp})")
+    mine = np.arange(rank, n, dp)
     total = torch.zeros(2, device=env.device, dtype=torch.float64)
     for i in range(0, len(mine), mb):
         x, y = _batch(shard, mine[i:i + mb], T, env.device)
-        total[0] += _loss(strategy, x, y).double() * len(x)
-        total[1] += len(x)
+        loss = strategy.eval_loss(x, y)
+        if loss is not None:
+            total[0] += loss.double() * len(x)
+            total[1] += len(x)
     if env.world > 1:
         dist.all_reduce(total)
     model.train()
@@ -158,6 +162,22 @@ def _save(out_dir: Path, step: int, consumed: int, strategy, args, env: Env, cfg
         ckpt.prune(root, cfg.train.checkpoint.keep_last)
 
 
+def _build(cfg: RunConfig, env: Env, vocab_size: int):
+    """The strategy with its model: tp/pp layouts build their shards on the meta device themselves;
+    the data-parallel strategies wrap a model built here."""
+    p = cfg.train.parallel
+    if p.tp > 1 or p.pp > 1:
+        from llmpipe.parallel.model_parallel import ModelParallelStrategy
+
+        args = model_args(cfg.model, vocab_size=vocab_size)
+        if cfg.data.seq_len > args.max_seq_len:
+            raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+        return ModelParallelStrategy(cfg, env, args), args
+    args, model = build_model(cfg, vocab_size, env)
+    opt, sched = build_optimizer(model, cfg)
+    return build_strategy(cfg, env, model, opt, sched), args  # the strategy owns model and optimizer now
+
+
 def _set_threads(cfg: RunConfig, env: Env) -> None:
     if env.device.type != "cpu":
         return
@@ -177,13 +197,10 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     if data_meta["seq_len"] != cfg.data.seq_len:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
     train_shard, val_shard = TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
-    args, model = build_model(cfg, data_meta["vocab_size"], env)
-    opt, sched = build_optimizer(model, cfg)
-    strategy = build_strategy(cfg, env, model, opt, sched)
-    del model, opt, sched  # the strategy owns them now (and may have replaced them)
+    strategy, args = _build(cfg, env, data_meta["vocab_size"])
     t = cfg.train
     sampler = GlobalBatchSampler(train_shard.num_samples(cfg.data.seq_len), t.micro_batch_size,
-                                 t.grad_accum_steps, env.world, cfg.run.seed)
+                                 t.grad_accum_steps, strategy.data_world, cfg.run.seed)
     start, consumed = 0, 0
     folder = _resume_folder(cfg, Path(out_dir) / "checkpoints")
     if folder is not None:
@@ -214,20 +231,20 @@ class _Loop:
         self.peak_flops = peak * 1e12 * env.world
         self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
 
-    def _micro_steps(self, step: int, first_step: int, consumed: int) -> torch.Tensor:
+    def _micro_steps(self, step: int, first_step: int, consumed: int) -> torch.Tensor | None:
         t, env, strategy = self.cfg.train, self.env, self.strategy
-        total = torch.zeros((), device=env.device)
+        total, seen = torch.zeros((), device=env.device), False
         for micro in range(t.grad_accum_steps):
-            x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, env.rank),
+            x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, strategy.data_rank),
                           self.cfg.data.seq_len, env.device)
             # Gradient sync is skipped on all but the last micro-step, except where the strategy
             # needs the first step of a process synchronous (DDP static_graph).
             sync = micro == t.grad_accum_steps - 1 or (strategy.sync_first_step and step == first_step)
             with strategy.micro_context(sync):
-                loss = _loss(strategy, x, y)
-                strategy.backward(loss)
-            total += loss.detach()
-        return total / t.grad_accum_steps
+                loss = strategy.forward_backward(x, y)
+            if loss is not None:
+                total, seen = total + loss, True
+        return total / t.grad_accum_steps if seen else None
 
     def _optimizer_step(self) -> float:
         norm = self.strategy.step()
@@ -255,7 +272,7 @@ class _Loop:
             lr = self.strategy.lr()
             local = self._micro_steps(step, start, consumed)
             grad_norm = self._optimizer_step()
-            loss = float(_all_mean(local, env))
+            loss = float(_reported_mean(local, env))
             consumed += self.sampler.global_batch
             dev.synchronize(env.device)
             dt = time.perf_counter() - t0

@@ -43,12 +43,6 @@ def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]
 
 def run(ctx: StageContext) -> StageResult:
     cfg, out = ctx.cfg, ctx.work_dir
-    p = cfg.train.parallel
-    if p.tp > 1 or p.pp > 1:
-        # Layout validation, the TP plan and PP stages exist (`llmpipe dryrun`), but the training step
-        # does not drive them yet: refuse rather than silently train data-parallel only.
-        raise StageError(f"train.parallel: tp={p.tp}, pp={p.pp}: tensor/pipeline-parallel training is not "
-                         "wired into the train stage yet (use `llmpipe dryrun` to check the layout)")
     data_dir = ctx.inputs["prepare_data"][0]
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))

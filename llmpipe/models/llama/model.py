@@ -9,6 +9,7 @@ Llama, so converting weights to HF names is a pure rename.
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -174,28 +175,22 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None) -> None:
-        """(Re)initialise every parameter and buffer in place; works after `to_empty`."""
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device=self.rope_cos.device).manual_seed(seed)
+    def init_weights(self, seed: int | None = None, assign=None) -> None:
+        """(Re)initialise every parameter and buffer in place; works after `to_empty` and on a
+        pipeline stage (the layers it holds).
+
+        With a seed, each parameter's *full* tensor is drawn on CPU from its own generator, seeded by
+        (seed, parameter name), so every layout (one process, DDP, FSDP2, tp, pp) starts from bitwise
+        the same weights and a rank only draws the parameters it holds. `assign(param, full)` copies
+        a full tensor into a parameter (default: `param.copy_(full)`); sharded parameters pass one
+        that copies the local shard (llmpipe.models.llama.parallelize.init_weights).
+        """
         cos, sin = rope_cache(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.args.n_layers)
-        if self.tok_embeddings is not None:
-            nn.init.normal_(self.tok_embeddings.weight, std=1.0, generator=gen)
         for name, p in self.named_parameters():
-            if name.startswith("tok_embeddings"):
-                continue
-            if p.ndim == 1:
-                nn.init.ones_(p)
-            elif name.startswith("output"):
-                nn.init.trunc_normal_(p, std=self.args.dim ** -0.5, a=-3 * self.args.dim ** -0.5,
-                                      b=3 * self.args.dim ** -0.5, generator=gen)
-            else:
-                s = out_std if name.endswith(("wo.weight", "w2.weight")) else std
-                nn.init.trunc_normal_(p, std=s, a=-3 * s, b=3 * s, generator=gen)
+            full = init_tensor(self.args, name.replace(_WRAPPED, ""), tuple(p.shape), seed)
+            (assign or _copy)(p, full)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens (B, T) int64 -> logits (B, T, vocab); pipeline stages pass hidden states (B, T, d)."""
@@ -225,3 +220,29 @@ class Transformer(nn.Module):
             h, kv = layer.forward_cached(h, cos, sin, mask, past[i] if past else None)
             presents.append(kv)
         return self.output(self.norm(h)), presents
+
+
+_WRAPPED = "_checkpoint_wrapped_module."  # the prefix activation checkpointing's wrapper adds
+
+
+def init_tensor(args: ModelArgs, name: str, shape: tuple[int, ...], seed: int | None) -> torch.Tensor:
+    """The initial value of parameter `name` (llmpipe naming), full size, fp32 on CPU: norms 1,
+    embeddings N(0, 1), the output head truncated N(0, dim^-0.5), other matrices truncated N(0, 0.02)
+    with wo/w2 scaled by 1/sqrt(2 n_layers)."""
+    gen = None
+    if seed is not None:
+        gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    t = torch.empty(shape, dtype=torch.float32)
+    if len(shape) == 1:
+        return nn.init.ones_(t)
+    if name.startswith("tok_embeddings"):
+        return nn.init.normal_(t, std=1.0, generator=gen)
+    if name.startswith("output"):
+        s = args.dim ** -0.5
+    else:
+        s = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
+    return nn.init.trunc_normal_(t, std=s, a=-3 * s, b=3 * s, generator=gen)
+
+
+def _copy(param: torch.Tensor, full: torch.Tensor) -> None:
+    param.copy_(full)

@@ -11,7 +11,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -97,8 +97,38 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
     return model
 
 
+def apply_replicate(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None,
+                    reduce_dtype: torch.dtype | None) -> Transformer:
+    """DDP on `mesh` built on FSDP2's machinery (`replicate`): full replicas, gradients all-reduced,
+    one unit per block then the root, like `apply_fsdp`. Unlike torch's DDP class it takes DTensor
+    (tensor-parallel) parameters and a sub-mesh, and pipelining knows how to drive it."""
+    from torch.distributed._composable.replicate_with_fsdp import replicate  # NOTE: private in torch 2.13
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    for block in model.layers.values():
+        replicate(block, mesh=mesh, mp_policy=mp)
+    replicate(model, mesh=mesh, mp_policy=mp)
+    return model
+
+
 def unwrap_state_dict(model: nn.Module) -> dict:
     """State dict with wrapper prefixes removed (DDP's `module.`, checkpoint_wrapper's)."""
     inner = getattr(model, "module", model)
     prefix = "_checkpoint_wrapped_module."
     return {k.replace(prefix, ""): v for k, v in inner.state_dict().items()}
+
+
+def _assign_local_shard(param: torch.Tensor, full: torch.Tensor) -> None:
+    if isinstance(param, DTensor):
+        # src_data_rank=None: every rank slices its own (identical) full tensor, no communication
+        local = distribute_tensor(full.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(local.to_local())
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_weights(model: Transformer, seed: int) -> None:
+    """Initialise a (possibly tensor-parallel, FSDP-sharded, pipeline-cut) model after `to_empty`:
+    each rank fills its shards of the same full tensors a single process would draw."""
+    model.init_weights(seed, assign=_assign_local_shard)

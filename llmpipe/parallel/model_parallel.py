@@ -1,0 +1,272 @@
+"""dp x tp x pp on one DeviceMesh: tensor parallel, pipeline parallel and DDP or FSDP2 composed.
+
+Each rank builds its pipeline stage(s) on the meta device, then per stage: tensor parallel on the
+"tp" sub-mesh -> activation checkpointing -> data parallel on the "dp" sub-mesh (FSDP2's
+`fully_shard` for data=fsdp; for data=ddp the DDP built on the same machinery, `replicate`, which
+composes with DTensor parameters and with torch.distributed.pipelining) -> `to_empty` -> init, where
+each rank fills its shards of the same full tensors one process would draw (bitwise the same start).
+
+With pp > 1 a torch.distributed.pipelining schedule (GPipe, 1F1B, interleaved 1F1B) runs each
+micro-batch as `microbatches` pipeline micro-batches; the loss lives on the last stage. Checkpoints
+are DCP (format "dcp", as FSDP2 writes them): model and optimizer under llmpipe's parameter names,
+so `consolidate` assembles TP shards and PP stages into the same model folder as every other layout,
+and a checkpoint resumes on the same layout or (DCP reshards) another.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from llmpipe.checkpoint.dcp import DCP_DIR
+from llmpipe.models.llama.model import ModelArgs, Transformer
+from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
+from llmpipe.parallel import mesh as mesh_mod
+from llmpipe.parallel import pipeline, tensor_parallel
+from llmpipe.parallel.base import Strategy
+from llmpipe.parallel.fsdp import mixed_precision
+from llmpipe.train.schedule import lr_factor
+
+log = logging.getLogger("llmpipe.train")
+
+TRAINER = "trainer_state.pt"
+_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def check_supported(cfg, precision: str) -> None:
+    """What the composed layout does not do (yet), as one clear line each."""
+    p = cfg.train.parallel
+    if p.data == "zero":
+        raise mesh_mod.LayoutError(f"train.parallel.data=zero cannot be combined with tp={p.tp} / pp={p.pp}: "
+                                   "use data=fsdp (ZeRO-3 equivalent) or data=ddp")
+    if precision == "fp16":
+        raise mesh_mod.LayoutError("train.precision.dtype=fp16 is not supported with tp/pp > 1 (loss scaling "
+                                   "across pipeline stages is not implemented): use bf16")
+    if p.pp > 1 and p.sequence_parallel:
+        raise mesh_mod.LayoutError("train.parallel.sequence_parallel with pp > 1 is not supported (stages would "
+                                   "pass sequence-sharded DTensors): set sequence_parallel: false")
+
+
+class _StageLoss:
+    """The pipeline's loss_fn: mean token cross-entropy divided by the accumulation steps."""
+
+    def __init__(self, accum: int):
+        self.accum = accum
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.accum
+
+
+class ModelParallelStrategy(Strategy):
+    """dp x tp x pp with DDP (`replicate`) or FSDP2 on the dp axis; fp32 or bf16 (by FSDP's policy)."""
+
+    format = "dcp"
+
+    def __init__(self, cfg, env, args: ModelArgs):
+        if not dist.is_initialized():
+            raise ValueError("train.parallel: tp/pp > 1 needs a process group: launch with torchrun")
+        check_supported(cfg, env.precision)
+        self.cfg, self.env, self.args = cfg, env, args
+        par, t = cfg.train.parallel, cfg.train
+        self.dims = mesh_mod.validate(par, args, env.world, t.micro_batch_size)
+        self.mesh = mesh_mod.build_mesh(self.dims, env.device.type)
+        coords = self.dims.coords(env.rank)
+        self.pp_rank, self.dp_rank = coords["pp"], coords["dp"]
+        n_stages = self.dims.pp * par.virtual_stages
+        self.stage_ids = pipeline.stage_ids(self.pp_rank, self.dims.pp, par.virtual_stages)
+        splits = pipeline.split_layers(args.n_layers, n_stages, par.split_points)
+        self.parts = [self._build_part(s, n_stages, splits[s]) for s in self.stage_ids]
+        self.module = nn.ModuleList(self.parts)  # for train()/eval(); forward goes through the parts
+        self.accum, self.max_grad_norm = t.grad_accum_steps, t.optim.clip_grad_norm
+        self.opts, self.scheds = zip(*(self._optimizer(p) for p in self.parts))
+        self.has_loss = self.dims.pp == 1 or (n_stages - 1) in self.stage_ids
+        self.schedule = None
+        if self.dims.pp > 1:
+            stages = pipeline.make_stages(self.parts, self.stage_ids, n_stages, env.device,
+                                          group=self.mesh["pp"].get_group())
+            self.schedule = pipeline.make_schedule(par.pp_schedule, stages, par.microbatches,
+                                                   loss_fn=_StageLoss(self.accum))
+        if env.main:
+            log.info("layout dp=%d x tp=%d x pp=%d (%s, data=%s): rank 0 holds stage(s) %s, %s local parameters",
+                     self.dims.dp, self.dims.tp, self.dims.pp, par.pp_schedule if self.dims.pp > 1 else "no pipeline",
+                     par.data, self.stage_ids, f"{sum(tensor_parallel.local_numel(p) for p in self.parts):,}")
+
+    # -- building -------------------------------------------------------------------------------------
+
+    def _build_part(self, stage: int, n_stages: int, layer_ids: list[int]) -> Transformer:
+        """meta -> cut to the stage -> TP -> activation checkpointing -> DDP/FSDP2 -> materialise -> init."""
+        cfg, env = self.cfg, self.env
+        with torch.device("meta"):
+            model = Transformer(self.args)
+        if self.dims.pp > 1:
+            pipeline.build_stage_module(model, stage, n_stages, layer_ids)
+        tensor_parallel.apply(model, self.mesh, cfg.train.parallel.sequence_parallel)
+        if cfg.train.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        param_dtype, reduce_dtype = mixed_precision(env.precision)
+        dp_mesh = self.mesh["dp"]
+        if cfg.train.parallel.data == "fsdp":
+            apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, cfg.train.parallel.reshard_after_forward)
+        else:  # ddp; also at dp=1, where it does no communication but applies the precision policy
+            apply_replicate(model, dp_mesh, param_dtype, reduce_dtype)
+        model.to_empty(device=env.device)
+        init_weights(model, cfg.run.seed)
+        model.train()
+        return model
+
+    def _optimizer(self, part: nn.Module):
+        """AdamW (decay on matrices only) and the lr schedule, per model part. Parameters are grouped
+        by DTensor mesh as well, since foreach kernels take one mesh per call."""
+        o, s = self.cfg.train.optim, self.cfg.train.schedule
+        groups: dict[tuple, list[nn.Parameter]] = {}
+        for p in part.parameters():
+            mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
+            groups.setdefault((p.ndim >= 2, mesh), []).append(p)
+        opt = torch.optim.AdamW([{"params": ps, "weight_decay": o.weight_decay if decay else 0.0}
+                                 for (decay, _), ps in groups.items()],
+                                lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
+        total = self.cfg.train.max_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda step: lr_factor(step, s.warmup_steps, total, s.decay, s.min_lr_ratio))
+        return opt, sched
+
+    # -- data -----------------------------------------------------------------------------------------
+
+    @property
+    def data_rank(self) -> int:
+        return self.dp_rank
+
+    @property
+    def data_world(self) -> int:
+        return self.dims.dp
+
+    # -- stepping -------------------------------------------------------------------------------------
+
+    def micro_context(self, sync: bool):
+        if self.schedule is None:  # with a pipeline the schedule syncs at the end of each step
+            for part in self.parts:
+                part.set_requires_gradient_sync(sync)
+        return super().micro_context(sync)
+
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        if self.schedule is None:
+            loss = F.cross_entropy(self.parts[0](x).float().flatten(0, 1), y.flatten())
+            (loss / self.accum).backward()
+            return loss.detach()
+        losses: list[torch.Tensor] = []
+        self.schedule.step(x, target=y, losses=losses if self.has_loss else None, return_outputs=False)
+        # each entry is one pipeline micro-batch's mean loss / accum
+        return torch.stack(losses).mean().detach() * self.accum if self.has_loss else None
+
+    @torch.no_grad()
+    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        if self.schedule is None:
+            return F.cross_entropy(self.parts[0](x).float().flatten(0, 1), y.flatten())
+        losses: list[torch.Tensor] = []
+        self.schedule.eval(x, target=y, losses=losses if self.has_loss else None)
+        return torch.stack(losses).mean() * self.accum if self.has_loss else None
+
+    @property
+    def eval_batch_fixed(self) -> bool:
+        return self.schedule is not None  # pipeline shapes are fixed at the first step
+
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
+    def step(self) -> float:
+        norm = clip_grad_norm(self.params(), self.max_grad_norm,
+                              self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+        for opt, sched in zip(self.opts, self.scheds):
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+        return float(norm)
+
+    def lr(self) -> float:
+        return self.opts[0].param_groups[0]["lr"]
+
+    # -- checkpoints ----------------------------------------------------------------------------------
+
+    def _state(self) -> dict[str, Any]:
+        model: dict[str, Any] = {}
+        optim: dict[str, Any] = {}
+        for part, opt in zip(self.parts, self.opts):
+            model.update(get_model_state_dict(part))
+            optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
+        return {"model": model, "optim": optim}
+
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
+        dcp.save(self._state(), checkpoint_id=Path(folder) / DCP_DIR)
+        if self.env.rank == 0:
+            torch.save({**trainer_state, "scheduler": self.scheds[0].state_dict(),
+                        "layout": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}},
+                       Path(folder) / TRAINER)
+
+    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
+        state = self._state()  # the shapes and shardings to load into (initialises Adam's states)
+        dcp.load(state, checkpoint_id=Path(folder) / DCP_DIR)
+        for part, opt in zip(self.parts, self.opts):
+            names = set(get_model_state_dict(part))
+            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
+            mine = get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS)
+            set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in mine}, options=_OPTIM_OPTIONS)
+        trainer = torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)
+        for sched in self.scheds:
+            sched.load_state_dict(trainer["scheduler"])
+        return trainer
+
+    def close(self) -> None:
+        del self.schedule, self.parts, self.module, self.opts, self.scheds, self.mesh
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group=None) -> torch.Tensor:
+    """Clip by the global gradient norm over every rank's shards; returns the norm before clipping.
+
+    Squared norms are summed locally per (mesh, sharded dims), all-reduced over the mesh dimensions
+    each gradient is sharded on (TP shards, FSDP shards; replicas are counted once), then over the
+    pipeline ranks, which hold disjoint stages.
+    """
+    sums: dict[tuple, torch.Tensor] = {}
+    meshes: dict[tuple, Any] = {}
+    grads: list[torch.Tensor] = []
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        key: tuple = ()
+        if isinstance(g, DTensor):
+            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
+            key = (id(g.device_mesh), dims)
+            meshes[key] = g.device_mesh
+            g = g.to_local()
+        grads.append(g)
+        sq = g.detach().float().pow(2).sum()
+        sums[key] = sums[key] + sq if key in sums else sq
+    device = grads[0].device if grads else torch.device("cpu")
+    total = torch.zeros((), device=device, dtype=torch.float32)
+    for key, value in sums.items():
+        for d in key[1] if key else ():
+            dist.all_reduce(value, group=meshes[key].get_group(d))
+        total = total + value
+    if pp_group is not None:
+        dist.all_reduce(total, group=pp_group)
+    norm = total.sqrt()
+    if max_norm:
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
+    return norm
