@@ -92,16 +92,16 @@ def losses(out: Path) -> list[float]:
 
 
 def cached_runs(tmp_path_factory, prefix: str, base: dict) -> Callable[..., Path]:
-    """run(name, **cfg sections) -> output folder of a 2-rank torchrun training with `base` + sections;
+    """run(name, nproc=2, **cfg sections) -> output folder of an `nproc`-rank torchrun training with `base` + sections;
     each distinct name trains once per test module. `run.data` is the shared data folder."""
     root = tmp_path_factory.mktemp(prefix)
     data = make_data_dir(root / "data")
     done: dict[str, Path] = {}
 
-    def run(name: str, **sections) -> Path:
+    def run(name: str, nproc: int = 2, **sections) -> Path:
         if name not in done:
             cfg = make_cfg(root / name, **{**base, **sections})
-            code, text = torchrun(cfg, data, root / name)
+            code, text = torchrun(cfg, data, root / name, nproc=nproc)
             assert code == 0, text[-3000:]
             assert "terminate called" not in text, text[-3000:]  # torch 2.13 + gloo exit abort
             done[name] = root / name

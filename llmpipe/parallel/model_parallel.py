@@ -63,13 +63,15 @@ def check_supported(cfg, precision: str) -> None:
 
 
 class _StageLoss:
-    """The pipeline's loss_fn: mean token cross-entropy divided by the accumulation steps."""
+    """The pipeline's loss_fn: a pipeline micro-batch's mean token cross-entropy divided by the number
+    of pipeline micro-batches and accumulation steps, so the gradients summed over one optimizer step
+    are those of the mean loss (the schedule runs with scale_grads=False)."""
 
-    def __init__(self, accum: int):
-        self.accum = accum
+    def __init__(self, divisor: int):
+        self.divisor = divisor
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.accum
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.divisor
 
 
 class ModelParallelStrategy(Strategy):
@@ -99,8 +101,9 @@ class ModelParallelStrategy(Strategy):
         if self.dims.pp > 1:
             stages = pipeline.make_stages(self.parts, self.stage_ids, n_stages, env.device,
                                           group=self.mesh["pp"].get_group())
+            self.loss_divisor = par.microbatches * self.accum
             self.schedule = pipeline.make_schedule(par.pp_schedule, stages, par.microbatches,
-                                                   loss_fn=_StageLoss(self.accum))
+                                                   loss_fn=_StageLoss(self.loss_divisor), scale_grads=False)
         if env.main:
             log.info("layout dp=%d x tp=%d x pp=%d (%s, data=%s): rank 0 holds stage(s) %s, %s local parameters",
                      self.dims.dp, self.dims.tp, self.dims.pp, par.pp_schedule if self.dims.pp > 1 else "no pipeline",
@@ -170,8 +173,8 @@ class ModelParallelStrategy(Strategy):
             return loss.detach()
         losses: list[torch.Tensor] = []
         self.schedule.step(x, target=y, losses=losses if self.has_loss else None, return_outputs=False)
-        # each entry is one pipeline micro-batch's mean loss / accum
-        return torch.stack(losses).mean().detach() * self.accum if self.has_loss else None
+        # each entry is one pipeline micro-batch's mean loss / (microbatches x accum)
+        return torch.stack(losses).sum().detach() * self.accum if self.has_loss else None
 
     @torch.no_grad()
     def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
@@ -179,7 +182,7 @@ class ModelParallelStrategy(Strategy):
             return F.cross_entropy(self.parts[0](x).float().flatten(0, 1), y.flatten())
         losses: list[torch.Tensor] = []
         self.schedule.eval(x, target=y, losses=losses if self.has_loss else None)
-        return torch.stack(losses).mean() * self.accum if self.has_loss else None
+        return torch.stack(losses).sum() * self.accum if self.has_loss else None
 
     @property
     def eval_batch_fixed(self) -> bool:

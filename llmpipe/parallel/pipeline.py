@@ -66,14 +66,20 @@ def make_stages(modules: list[nn.Module], ids: list[int], n_stages: int, device:
 
 
 def make_schedule(name: str, stages: list[PipelineStage], microbatches: int,
-                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None):
-    """A torch.distributed.pipelining schedule over this rank's stage(s); `loss_fn(logits, targets)`."""
+                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None, scale_grads: bool = True):
+    """A torch.distributed.pipelining schedule over this rank's stage(s); `loss_fn(logits, targets)`.
+
+    `scale_grads=True` divides every gradient by `microbatches` after each step, which is wrong when
+    gradients accumulate over several steps (the earlier steps' share would be divided again): the
+    training loop passes False and a loss_fn that does the division itself.
+    """
     if name not in SCHEDULES:
         raise LayoutError(f"unknown pp_schedule {name!r} (known: {', '.join(SCHEDULES)})")
     if name == "interleaved_1f1b":
         if len(stages) < 2:
             raise LayoutError(f"interleaved_1f1b needs >= 2 stages per rank (got {len(stages)})")
-        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn)
+        return ScheduleInterleaved1F1B(stages, n_microbatches=microbatches, loss_fn=loss_fn,
+                                       scale_grads=scale_grads)
     if len(stages) != 1:
         raise LayoutError(f"pp_schedule={name} runs one stage per rank (got {len(stages)})")
-    return SCHEDULES[name](stages[0], n_microbatches=microbatches, loss_fn=loss_fn)
+    return SCHEDULES[name](stages[0], n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
