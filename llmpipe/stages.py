@@ -230,7 +230,8 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
     except BaseException:
         # Nothing half-written stays behind, except a resumable stage's partial folder (training
         # checkpoints), which the next attempt with the same fingerprint continues from.
-        if not spec.resumable:
+        # A resumable stage that failed before writing anything leaves nothing either.
+        if not spec.resumable or not any(p.name != ".fingerprint" for p in partial.iterdir()):
             shutil.rmtree(partial, ignore_errors=True)
         raise
 

@@ -27,30 +27,59 @@ def _env(cfg) -> dict[str, str]:
     return env
 
 
-def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]:
-    """torchrun on one node; the DeepSpeed launcher over a hostfile for several."""
-    t = cfg.train
-    if t.hostfile is None:
-        return torchrun_argv(t.nproc_per_node, config_path, data_dir, out)
-    hostfile = Path(t.hostfile)
+def _hosts(cfg) -> list[str]:
+    """The hostfile's hosts, or [] on one node (no hostfile)."""
+    if cfg.train.hostfile is None:
+        return []
+    hostfile = Path(cfg.train.hostfile)
     hosts = [ln.split()[0] for ln in hostfile.read_text().splitlines() if ln.strip() and not ln.startswith("#")] \
         if hostfile.is_file() else []
     if not hosts:
         raise StageError(f"train.hostfile: {hostfile} is missing or lists no hosts ('host slots=N' per line)")
-    return deepspeed_argv(hostfile, t.nproc_per_node, config_path, data_dir, out,
+    return hosts
+
+
+def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]:
+    """torchrun on one node; the DeepSpeed launcher over a hostfile for several."""
+    t = cfg.train
+    hosts = _hosts(cfg)
+    if not hosts:
+        return torchrun_argv(t.nproc_per_node, config_path, data_dir, out)
+    return deepspeed_argv(Path(t.hostfile), t.nproc_per_node, config_path, data_dir, out,
                           master_addr=t.master_addr or hosts[0], master_port=t.master_port)
+
+
+def check_layout(cfg, data_dir: Path) -> None:
+    """Validate dp x tp x pp against the world size this launch will have and the model, before any
+    process starts: one line naming the numbers (the ranks check again at start)."""
+    from llmpipe.models.llama import model_args
+    from llmpipe.parallel import mesh
+    from llmpipe.parallel.model_parallel import check_supported
+
+    p = cfg.train.parallel
+    world = cfg.train.nproc_per_node * max(1, len(_hosts(cfg)))
+    vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
+    try:
+        mesh.validate(p, model_args(cfg.model, vocab_size=vocab), world, cfg.train.micro_batch_size)
+        if p.tp > 1 or p.pp > 1:
+            check_supported(cfg, dev.precision(dev.resolve(cfg.run.device), cfg.train.precision.dtype))
+    except mesh.LayoutError as err:
+        raise StageError(f"train.parallel: {err} (world size {world} = nproc_per_node "
+                         f"{cfg.train.nproc_per_node} x {max(1, len(_hosts(cfg)))} node(s))") from None
 
 
 def run(ctx: StageContext) -> StageResult:
     cfg, out = ctx.cfg, ctx.work_dir
     data_dir = ctx.inputs["prepare_data"][0]
+    check_layout(cfg, data_dir)
     config_path = out / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     argv = _launch_argv(cfg, config_path, data_dir, out)
     log.info("launching: %s", " ".join(argv))
     code, tail = run_streaming(argv, lambda line: log.info("%s", line), env=_env(cfg))
     if code != 0:
-        errors = [ln for ln in tail if "error:" in ln or "Error" in ln]
+        # a rank's one-line "error: ..." first, then tracebacks' last lines, then whatever came last
+        errors = [ln for ln in tail if "error:" in ln] or [ln for ln in tail if "Error" in ln]
         detail = (errors or tail or ["no output"])[-1].strip()
         # A rank that died from a signal (OOM killer, preemption, a lost node) may well succeed on a
         # retry, which resumes from the newest checkpoint; an exception inside a rank will not.

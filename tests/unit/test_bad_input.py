@@ -163,9 +163,17 @@ def test_train_before_data_names_the_missing_stage(tmp_path, capsys):
     assert code == 1 and line == "error: train needs prepare_data, which is missing; run prepare_data first"
 
 
-def test_tp_pp_training_is_refused_until_wired_in(tmp_path, capsys):
-    tree = _set(_base(tmp_path), "train.parallel.tp", 2)
+@pytest.mark.parametrize("key, value, msg", [
+    ("train.parallel.tp", 2, "dp=1 x tp=2 x pp=1 = 2, but world size is 1"),
+    ("train.parallel.pp", 2, "dp=1 x tp=1 x pp=2 = 2, but world size is 1"),
+])
+def test_bad_layout_is_refused_before_launch(tmp_path, capsys, key, value, msg):
+    tree = _set(_base(tmp_path), key, value)
+    tree["train"]["parallel"]["dp"] = 1
     code, _ = _run(tmp_path, tree, capsys)  # prepare_data runs fine
     assert code == 0
     code, line = _run(tmp_path, tree, capsys, stage="train")
-    assert code == 1 and "tp=2, pp=1: tensor/pipeline-parallel training is not wired" in line
+    assert code == 1 and msg in line and "nproc_per_node 1" in line, line
+    assert len(line.splitlines()) == 1
+    run_dir = tmp_path / "artifacts" / "bad"
+    assert sorted(p.name for p in run_dir.iterdir() if "train" in p.name) == []  # no output, no .partial
