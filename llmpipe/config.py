@@ -165,6 +165,8 @@ class OptimSection(Section):
     eps: float = Field(1.0e-8, gt=0, description="AdamW epsilon.")
     weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms).")
     clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null: off.")
+    lr_reference_batch: int | None = Field(None, ge=1, description="Linear lr scaling: the peak lr is "
+                                           "lr x global_batch / lr_reference_batch (sequences); null: lr as given.")
 
     @field_validator("betas")
     @classmethod
@@ -175,7 +177,10 @@ class OptimSection(Section):
 
 
 class ScheduleSection(Section):
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(20, ge=0, description="Linear warm-up length, in `warmup_unit`s.")
+    warmup_unit: Literal["steps", "micro_batches"] = Field(
+        "steps", description="steps: optimizer steps; micro_batches: micro-batch steps, so the warm-up "
+        "covers the same data whatever grad_accum_steps is (divided by it, rounded up).")
     decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
 
@@ -190,6 +195,40 @@ class CheckpointSection(Section):
 class EvalSection(Section):
     every_steps: int = Field(50, ge=1, description="Validation every N steps (and at the start and end).")
     batches: int = Field(8, ge=1, description="Validation micro-batches per rank.")
+
+
+class ProfileSection(Section):
+    enabled: bool = Field(False, description="Profile training steps with torch.profiler (torch_npu's on NPU).")
+    wait: int = Field(1, ge=0, description="Steps skipped before each profiling cycle.")
+    warmup: int = Field(1, ge=0, description="Steps traced but discarded (profiler warm-up).")
+    active: int = Field(3, ge=1, description="Steps recorded per cycle.")
+    repeat: int = Field(1, ge=1, description="Profiling cycles.")
+    record_shapes: bool = Field(False, description="Record operator input shapes.")
+    with_stack: bool = Field(False, description="Record Python stacks (large traces).")
+
+
+class DebugSection(Section):
+    """Troubleshooting switches (the seed's table): off by default except the NaN/Inf guard."""
+
+    check_init_params: bool = Field(False, description="After building: every data-parallel replica holds "
+                                    "bitwise the same parameters (stops naming those that differ).")
+    check_grad_consistency_every: int = Field(0, ge=0, description="Every N optimizer steps, check that the "
+                                              "synchronised gradients agree across replicas; 0: off.")
+    nan_guard: Literal["off", "skip", "stop"] = Field(
+        "stop", description="Non-finite loss or gradients (not fp16 overflow, which the loss scaler skips): "
+        "stop naming the parameters, skip the update and go on, or off (the loss is still checked).")
+    loss_scale_stop_below: float | None = Field(None, gt=0, description="fp16: stop when the loss scale "
+                                                "falls below this (it warns below 1 regardless); null: never.")
+
+
+class HcclSection(Section):
+    """HCCL settings exported to every rank on NPU (null: HCCL's default). Timeouts come from
+    train.dist_timeout_s."""
+
+    algo: str | None = Field(None, description="HCCL_ALGO, e.g. 'level0:NA;level1:H-D_R'.")
+    buffer_size_mb: int | None = Field(None, ge=1, description="HCCL_BUFFER_SIZE in MB.")
+    ib_hca: str | None = Field(None, description="HCCL_IB_HCA: RDMA devices to use.")
+    socket_ifname: str | None = Field(None, description="HCCL_SOCKET_IFNAME: the NIC for HCCL's sockets.")
 
 
 class TrainSection(Section):
@@ -215,6 +254,9 @@ class TrainSection(Section):
     master_addr: str | None = Field(None, description="Several nodes: address of the rank-0 host "
                                     "(default: the hostfile's first host).")
     master_port: int = Field(29500, ge=1, le=65535, description="Several nodes: rendezvous port.")
+    profile: ProfileSection = Field(default_factory=ProfileSection)
+    debug: DebugSection = Field(default_factory=DebugSection)
+    hccl: HcclSection = Field(default_factory=HcclSection)
 
 
 class ConsolidateSection(Section):

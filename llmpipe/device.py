@@ -68,12 +68,18 @@ def dist_backend(device: torch.device) -> str:
     return {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}[device.type]
 
 
-def dist_env(device_name: str, timeout_s: int) -> dict[str, str]:
-    """Environment for the launched ranks (HCCL reads its timeouts from the environment)."""
+def dist_env(device_name: str, timeout_s: int, hccl=None) -> dict[str, str]:
+    """Environment for the launched ranks, the one place HCCL is configured: its timeouts (from
+    train.dist_timeout_s) and train.hccl's algo, buffer size, RDMA devices and socket NIC."""
     env = {"TORCH_DEVICE_BACKEND_AUTOLOAD": "0"}
     if device_name in ("npu", "auto"):
         env["HCCL_CONNECT_TIMEOUT"] = str(max(120, timeout_s))
         env["HCCL_EXEC_TIMEOUT"] = str(max(120, timeout_s))
+        if hccl is not None:
+            for key, value in (("HCCL_ALGO", hccl.algo), ("HCCL_BUFFER_SIZE", hccl.buffer_size_mb),
+                               ("HCCL_IB_HCA", hccl.ib_hca), ("HCCL_SOCKET_IFNAME", hccl.socket_ifname)):
+                if value is not None:
+                    env[key] = str(value)
     return env
 
 

@@ -83,11 +83,49 @@ class Strategy:
     def close(self) -> None:
         """Drop references to model and optimizer before the process group is destroyed."""
 
+    # -- troubleshooting (llmpipe.train.debug) ------------------------------------------------------
+
+    nan_guard = "stop"  # train.debug.nan_guard, set by the loop
+    step_number = 0  # the 1-based optimizer step being taken, set by the loop (for messages)
+    skipped = False  # whether the last step() dropped its update (nan_guard=skip)
+    supports_replica_checks = True  # parameters and .grad are the real tensors (not ZeRO's partitions)
+
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """(llmpipe name, parameter) of what this rank holds, wrapper prefixes removed."""
+        return [(_clean(n), p) for n, p in self.module.named_parameters()]
+
+    def replica_group(self):
+        """The process group of this rank's data-parallel replicas (None: every rank)."""
+        return None
+
+    def guard_nonfinite(self, norm: torch.Tensor, zero_grad) -> bool:
+        """Apply nan_guard to a gradient norm; True when the update must be skipped (grads are then
+        zeroed with `zero_grad`), raises under 'stop'."""
+        self.skipped = False
+        if self.nan_guard == "off" or bool(torch.isfinite(norm)):
+            return False
+        from llmpipe.train import debug
+
+        names = debug.nonfinite([(n, p.grad) for n, p in self.named_parameters()])
+        if self.nan_guard == "stop":
+            raise debug.nonfinite_error(names or ["(another rank's shard)"], self.step_number, self.env.rank)
+        debug.log.warning("step %d: non-finite gradients in %s: update skipped (train.debug.nan_guard=skip)",
+                          self.step_number, ", ".join(names[:5]) or "another rank's shard")
+        zero_grad()
+        self.skipped = True
+        return True
+
+
+def _clean(name: str) -> str:
+    for prefix in ("module.", "_checkpoint_wrapped_module.", "_orig_mod."):
+        name = name.replace(prefix, "")
+    return name
+
 
 class TorchOptimizerStrategy(Strategy):
     """Shared by strategies that drive a torch optimizer themselves (DDP, FSDP2): loss scaling for
     fp16, accumulation by dividing the loss, clip -> step -> schedule. Subclasses set `model`,
-    `opt`, `sched`, `scaler` (or None), `accum`, and may override `clip_grad_norm`."""
+    `opt`, `sched`, `scaler` (or None), `accum`, and may override `grad_norm` (DTensor gradients)."""
 
     model: nn.Module
     opt: torch.optim.Optimizer
@@ -96,9 +134,15 @@ class TorchOptimizerStrategy(Strategy):
     accum: int
     max_grad_norm: float | None
 
-    def clip_grad_norm(self) -> torch.Tensor:
+    def grad_norm(self) -> torch.Tensor:
+        """The global gradient norm (no clipping)."""
+        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None],
+                                             foreach=True)
+
+    def clip(self, norm: torch.Tensor) -> None:
         clip = self.max_grad_norm
-        return torch.nn.utils.clip_grad_norm_(self.model.parameters(), clip if clip else float("inf"))
+        torch.nn.utils.clip_grads_with_norm_(list(self.model.parameters()), clip if clip else float("inf"), norm,
+                                             foreach=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.accum
@@ -107,7 +151,12 @@ class TorchOptimizerStrategy(Strategy):
     def step(self) -> float:
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
-        norm = self.clip_grad_norm()
+        norm = self.grad_norm()
+        # fp16 overflow is the scaler's to skip; anything else non-finite meets the NaN guard
+        if self.scaler is None and self.guard_nonfinite(norm, lambda: self.opt.zero_grad(set_to_none=True)):
+            self.sched.step()
+            return float(norm)
+        self.clip(norm)
         if self.scaler is not None:
             self.scaler.step(self.opt)  # skipped when the unscaled gradients hold inf/nan
             self.scaler.update()

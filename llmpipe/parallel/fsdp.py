@@ -49,16 +49,6 @@ def mixed_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | N
     return dev.dtype(precision), torch.float32
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None) -> torch.Tensor:
-    """Clip the global gradient norm over DTensor gradients; returns the (full) norm before clipping."""
-    grads = [p.grad for p in params if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm(grads, foreach=True)
-    if isinstance(norm, DTensor):  # a partial sum of the local shards' norms: reduce over ranks
-        norm = norm.full_tensor()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm if max_norm else float("inf"), norm, foreach=True)
-    return norm
-
-
 def local_bytes(t: torch.Tensor | None) -> int:
     """Bytes this rank holds for `t` (the local shard of a DTensor)."""
     if t is None:
@@ -112,8 +102,10 @@ class FSDPStrategy(TorchOptimizerStrategy):
         self.model.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
-    def clip_grad_norm(self) -> torch.Tensor:
-        return clip_grad_norm(list(self.model.parameters()), self.max_grad_norm)
+    def grad_norm(self) -> torch.Tensor:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None],
+                                             foreach=True)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm  # partial over the shards: reduce
 
     def memory_stats(self) -> dict[str, int]:
         return model_state_bytes(self.model, self.opt)

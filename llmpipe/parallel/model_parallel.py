@@ -40,7 +40,7 @@ from llmpipe.parallel import mesh as mesh_mod
 from llmpipe.parallel import pipeline, tensor_parallel
 from llmpipe.parallel.base import Strategy
 from llmpipe.parallel.fsdp import mixed_precision
-from llmpipe.train.schedule import lr_factor
+from llmpipe.train.schedule import lr_factor, peak_lr, warmup_steps
 
 log = logging.getLogger("llmpipe.train")
 
@@ -142,10 +142,10 @@ class ModelParallelStrategy(Strategy):
             groups.setdefault((p.ndim >= 2, mesh), []).append(p)
         opt = torch.optim.AdamW([{"params": ps, "weight_decay": o.weight_decay if decay else 0.0}
                                  for (decay, _), ps in groups.items()],
-                                lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-        total = self.cfg.train.max_steps
+                                lr=peak_lr(self.cfg, self.env.world), betas=tuple(o.betas), eps=o.eps, foreach=True)
+        total, warmup = self.cfg.train.max_steps, warmup_steps(self.cfg)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_factor(step, s.warmup_steps, total, s.decay, s.min_lr_ratio))
+            opt, lambda step: lr_factor(step, warmup, total, s.decay, s.min_lr_ratio))
         return opt, sched
 
     # -- data -----------------------------------------------------------------------------------------
@@ -191,9 +191,22 @@ class ModelParallelStrategy(Strategy):
     def params(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]
 
+    def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return [(n.replace("_checkpoint_wrapped_module.", ""), p) for part in self.parts
+                for n, p in part.named_parameters()]
+
+    def replica_group(self):
+        return self.mesh["dp"].get_group()
+
     def step(self) -> float:
-        norm = clip_grad_norm(self.params(), self.max_grad_norm,
-                              self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+        params = self.params()
+        norm = total_grad_norm(params, self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+        # NOTE: the norm is global (reduced over tp, dp and pp), so every rank skips or stops together
+        if self.guard_nonfinite(norm, lambda: [opt.zero_grad(set_to_none=True) for opt in self.opts]):
+            for sched in self.scheds:
+                sched.step()
+            return float(norm)
+        clip_(params, norm, self.max_grad_norm)
         for opt, sched in zip(self.opts, self.scheds):
             opt.step()
             opt.zero_grad(set_to_none=True)
@@ -237,8 +250,8 @@ class ModelParallelStrategy(Strategy):
         del self.schedule, self.parts, self.module, self.opts, self.scheds, self.mesh
 
 
-def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group=None) -> torch.Tensor:
-    """Clip by the global gradient norm over every rank's shards; returns the norm before clipping.
+def total_grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
+    """The global gradient norm over every rank's shards.
 
     Squared norms are summed locally per (mesh, sharded dims), all-reduced over the mesh dimensions
     each gradient is sharded on (TP shards, FSDP shards; replicas are counted once), then over the
@@ -246,7 +259,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group=
     """
     sums: dict[tuple, torch.Tensor] = {}
     meshes: dict[tuple, Any] = {}
-    grads: list[torch.Tensor] = []
+    device = torch.device("cpu")
     for p in params:
         g = p.grad
         if g is None:
@@ -257,10 +270,9 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group=
             key = (id(g.device_mesh), dims)
             meshes[key] = g.device_mesh
             g = g.to_local()
-        grads.append(g)
+        device = g.device
         sq = g.detach().float().pow(2).sum()
         sums[key] = sums[key] + sq if key in sums else sq
-    device = grads[0].device if grads else torch.device("cpu")
     total = torch.zeros((), device=device, dtype=torch.float32)
     for key, value in sums.items():
         for d in key[1] if key else ():
@@ -268,8 +280,12 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float | None, pp_group=
         total = total + value
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)
-    norm = total.sqrt()
-    if max_norm:
+    return total.sqrt()
+
+
+def clip_(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float | None) -> None:
+    """Scale every local gradient shard by min(1, max_norm / norm)."""
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+    if max_norm and grads:
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype) if grads else coef)
-    return norm
+        torch._foreach_mul_(grads, coef.to(grads[0].dtype))

@@ -26,6 +26,7 @@ from torch import nn
 
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.parallel.base import Strategy
+from llmpipe.train.schedule import peak_lr
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside each llmpipe checkpoint folder
 _NEVER = 1 << 62  # steps_per_print: llmpipe logs progress itself
@@ -87,9 +88,9 @@ def use_ds_optimizer(cfg) -> bool:
     return choice == "deepspeed" or (choice == "auto" and ds_optimizer_built())
 
 
-def _optimizer_section(o) -> dict[str, Any]:
+def _optimizer_section(o, lr: float) -> dict[str, Any]:
     """DeepSpeed's own AdamW (FusedAdam on accelerators, DeepSpeedCPUAdam when offloaded)."""
-    return {"type": "AdamW", "params": {"lr": o.lr, "betas": list(o.betas), "eps": o.eps,
+    return {"type": "AdamW", "params": {"lr": lr, "betas": list(o.betas), "eps": o.eps,
                                         "weight_decay": o.weight_decay}}
 
 
@@ -119,7 +120,7 @@ def deepspeed_config(cfg, world_size: int, precision: str | None = None, ds_opti
         "wall_clock_breakdown": False,
     }
     if ds_optimizer:
-        ds["optimizer"] = _optimizer_section(t.optim)
+        ds["optimizer"] = _optimizer_section(t.optim, peak_lr(cfg, world_size))
         del ds["zero_allow_untested_optimizer"], ds["zero_force_ds_cpu_optimizer"]
     ds.update(_precision_sections(precision or t.precision.dtype, t.precision.loss_scale))
     return ds
@@ -129,6 +130,7 @@ class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO around the loop's model, torch AdamW and LambdaLR."""
 
     format = "deepspeed"
+    supports_replica_checks = False  # parameters and gradients live in DeepSpeed's partitions
 
     def __init__(self, cfg, env, model: nn.Module, optimizer, scheduler):
         if not dist.is_initialized():

@@ -27,8 +27,9 @@ from llmpipe.data.shards import TokenShard
 from llmpipe.models.llama import Transformer, model_args
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing
 from llmpipe.parallel import build_strategy
+from llmpipe.train import debug
 from llmpipe.train.metrics import MetricsWriter
-from llmpipe.train.schedule import lr_factor
+from llmpipe.train.schedule import lr_factor, peak_lr, warmup_steps
 
 log = logging.getLogger("llmpipe.train")
 
@@ -78,16 +79,18 @@ def build_model(cfg: RunConfig, vocab_size: int, env: Env):
 
 
 def build_optimizer(model: torch.nn.Module, cfg: RunConfig):
-    """AdamW with weight decay on matrices only (not on norms), and the lr schedule."""
+    """AdamW with weight decay on matrices only (not on norms), and the lr schedule (peak lr scaled by
+    the global batch and warm-up in micro-batches when the config asks, llmpipe.train.schedule)."""
     o, s = cfg.train.optim, cfg.train.schedule
+    world = dist.get_world_size() if dist.is_initialized() else 1
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                              {"params": no_decay, "weight_decay": 0.0}],
-                            lr=o.lr, betas=tuple(o.betas), eps=o.eps, foreach=True)
-    total = cfg.train.max_steps
+                            lr=peak_lr(cfg, world), betas=tuple(o.betas), eps=o.eps, foreach=True)
+    total, warmup = cfg.train.max_steps, warmup_steps(cfg)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, s.warmup_steps, total, s.decay, s.min_lr_ratio))
+        opt, lambda step: lr_factor(step, warmup, total, s.decay, s.min_lr_ratio))
     return opt, sched
 
 
@@ -178,6 +181,21 @@ def _build(cfg: RunConfig, env: Env, vocab_size: int):
     return build_strategy(cfg, env, model, opt, sched), args  # the strategy owns model and optimizer now
 
 
+def _start_checks(cfg: RunConfig, env: Env, strategy) -> None:
+    """train.debug at start: the NaN guard's mode, and replicas' parameters compared."""
+    d = cfg.train.debug
+    strategy.nan_guard = d.nan_guard
+    if not strategy.supports_replica_checks:
+        if d.check_init_params or d.check_grad_consistency_every:
+            log.warning("train.debug replica checks are not available with data=zero (DeepSpeed partitions); skipped")
+        return
+    debug.perturb_params(strategy.named_parameters(), env.rank)  # test-only fault injection
+    if d.check_init_params:
+        n = debug.check_replicas(strategy.named_parameters(), strategy.replica_group(), "initial parameters", 0)
+        if env.main:
+            log.info("check_init_params: %d replicated parameter tensors equal on every data-parallel rank", n)
+
+
 def _set_threads(cfg: RunConfig, env: Env) -> None:
     if env.device.type != "cpu":
         return
@@ -198,6 +216,7 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
         raise ValueError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
     train_shard, val_shard = TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
     strategy, args = _build(cfg, env, data_meta["vocab_size"])
+    _start_checks(cfg, env, strategy)
     t = cfg.train
     sampler = GlobalBatchSampler(train_shard.num_samples(cfg.data.seq_len), t.micro_batch_size,
                                  t.grad_accum_steps, strategy.data_world, cfg.run.seed)
@@ -246,12 +265,24 @@ class _Loop:
                 total, seen = total + loss, True
         return total / t.grad_accum_steps if seen else None
 
-    def _optimizer_step(self) -> float:
-        norm = self.strategy.step()
-        scale = self.strategy.loss_scale()
+    def _optimizer_step(self, done: int) -> float:
+        """Troubleshooting checks around strategy.step() for optimizer step `done` (1-based)."""
+        strategy, d, rank = self.strategy, self.cfg.train.debug, self.env.rank
+        strategy.step_number = done
+        if strategy.supports_replica_checks:
+            grads = [(n, p.grad) for n, p in strategy.named_parameters()]
+            debug.perturb_grads(grads, done, rank)  # test-only fault injections
+            debug.inject_nan(grads, done, rank)
+            if d.check_grad_consistency_every and done % d.check_grad_consistency_every == 0:
+                debug.check_replicas(grads, strategy.replica_group(), "synchronised gradients", done)
+        norm = strategy.step()
+        scale = strategy.loss_scale()
         if scale is not None and scale < 1.0:
             log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "
                         "consider bf16 or a lower lr", scale)
+        if scale is not None and d.loss_scale_stop_below is not None and scale < d.loss_scale_stop_below:
+            raise FloatingPointError(f"step {done}: fp16 loss scale {scale:g} fell below "
+                                     f"train.debug.loss_scale_stop_below={d.loss_scale_stop_below:g}")
         return norm
 
     def _eval(self, step: int) -> float:
@@ -271,7 +302,7 @@ class _Loop:
             t0 = time.perf_counter()
             lr = self.strategy.lr()
             local = self._micro_steps(step, start, consumed)
-            grad_norm = self._optimizer_step()
+            grad_norm = self._optimizer_step(step + 1)
             loss = float(_reported_mean(local, env))
             consumed += self.sampler.global_batch
             dev.synchronize(env.device)
@@ -282,12 +313,14 @@ class _Loop:
                    "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
             if self.strategy.loss_scale() is not None:
                 rec["loss_scale"] = self.strategy.loss_scale()
+            if self.strategy.skipped:
+                rec["skipped"] = True
             self.writer.step(rec)
             done = step + 1
             if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
                 log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.2f%%",
                          done, t.max_steps, loss, lr, grad_norm, tok_s, 100 * rec["mfu"])
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and t.debug.nan_guard != "skip":
                 raise FloatingPointError(f"loss is {loss} at step {done}")
             if done % t.eval.every_steps == 0 and done != t.max_steps:
                 self._eval(done)

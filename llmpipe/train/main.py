@@ -70,7 +70,9 @@ def main(argv: list[str] | None = None) -> None:
         train(cfg, args.data, args.out)
     except Exception as err:  # report once per rank, then exit non-zero
         code = 1
-        if isinstance(err, (ValueError, config_mod.ConfigError)):
+        from llmpipe.train.debug import ReplicaMismatch
+
+        if isinstance(err, (ValueError, config_mod.ConfigError, FloatingPointError, ReplicaMismatch)):
             print(f"[rank{rank}] error: {err}", file=sys.stderr)
         else:
             traceback.print_exc()

@@ -20,7 +20,7 @@ log = logging.getLogger("llmpipe.train")
 
 def _env(cfg) -> dict[str, str]:
     env = dict(os.environ)
-    env.update(dev.dist_env(cfg.run.device, cfg.train.dist_timeout_s))
+    env.update(dev.dist_env(cfg.run.device, cfg.train.dist_timeout_s, cfg.train.hccl))
     env.setdefault("OMP_NUM_THREADS", str(cfg.train.threads_per_proc or
                                           max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
     env["PYTHONUNBUFFERED"] = "1"

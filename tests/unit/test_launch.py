@@ -75,3 +75,18 @@ def test_dist_env_sets_generous_hccl_timeouts():
     assert env["HCCL_CONNECT_TIMEOUT"] == "120" and env["HCCL_EXEC_TIMEOUT"] == "120"
     assert device.dist_env("npu", 3600)["HCCL_EXEC_TIMEOUT"] == "3600"
     assert "HCCL_CONNECT_TIMEOUT" not in device.dist_env("cpu", 3600)
+
+
+def test_hccl_environment_is_set_from_config_in_one_place(tmp_path):
+    from llmpipe import device
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, train__hccl={"algo": "level0:NA;level1:H-D_R", "buffer_size_mb": 400,
+                                          "ib_hca": "mlx5_0", "socket_ifname": "eth0"}, train__dist_timeout_s=900)
+    env = device.dist_env("npu", cfg.train.dist_timeout_s, cfg.train.hccl)
+    assert env["HCCL_ALGO"] == "level0:NA;level1:H-D_R" and env["HCCL_BUFFER_SIZE"] == "400"
+    assert env["HCCL_IB_HCA"] == "mlx5_0" and env["HCCL_SOCKET_IFNAME"] == "eth0"
+    assert env["HCCL_CONNECT_TIMEOUT"] == env["HCCL_EXEC_TIMEOUT"] == "900"
+    unset = device.dist_env("npu", 900, make_cfg(tmp_path).train.hccl)
+    assert not any(k in unset for k in ("HCCL_ALGO", "HCCL_BUFFER_SIZE", "HCCL_IB_HCA", "HCCL_SOCKET_IFNAME"))
+    assert "HCCL_ALGO" not in device.dist_env("cpu", 900, cfg.train.hccl)

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.train import metrics
-from llmpipe.train.loop import train
+from llmpipe.train.loop import build_optimizer, train
 from llmpipe.train.schedule import lr_factor
 from tests.conftest import losses as _losses
 from tests.conftest import make_cfg
@@ -113,3 +113,30 @@ def test_activation_checkpointing_gives_identical_losses(tmp_path, data_dir):
     torch.testing.assert_close(_losses(tmp_path / "b_out"), _losses(tmp_path / "a_out"), rtol=1e-6, atol=1e-6)
     keys = load_file(str(ckpt.step_dir(tmp_path / "b_out" / "checkpoints", 6) / "model.safetensors")).keys()
     assert not any("checkpoint_wrapped" in k for k in keys)
+
+
+def test_linear_lr_scaling_against_a_reference_batch(tmp_path):
+    from llmpipe.train.schedule import peak_lr
+
+    cfg = make_cfg(tmp_path, train__micro_batch_size=4, train__grad_accum_steps=8,
+                   train__optim={"lr": 3e-4, "lr_reference_batch": 256})
+    assert peak_lr(cfg, world=8) == pytest.approx(3e-4 * 256 / 256)  # 4 x 8 x dp 8 = 256
+    assert peak_lr(cfg, world=2) == pytest.approx(3e-4 * 64 / 256)
+    tp = make_cfg(tmp_path, train__micro_batch_size=4, train__grad_accum_steps=8,
+                  train__optim={"lr": 3e-4, "lr_reference_batch": 256}, train__parallel={"tp": 4, "pp": 2})
+    assert peak_lr(tp, world=64) == pytest.approx(3e-4)  # only dp = 64 / (4 x 2) multiplies the batch
+    assert peak_lr(make_cfg(tmp_path, train__optim={"lr": 1e-3}), world=8) == 1e-3  # no reference: as given
+    opt, _ = build_optimizer(torch.nn.Linear(2, 2), cfg)  # one process: 4 x 8 x 1 = 32 sequences
+    assert opt.param_groups[0]["initial_lr"] == pytest.approx(3e-4 * 32 / 256)
+
+
+def test_warmup_in_micro_batches_is_divided_by_accumulation(tmp_path):
+    from llmpipe.train.schedule import warmup_steps
+
+    steps = make_cfg(tmp_path, train__grad_accum_steps=8, train__schedule={"warmup_steps": 2000})
+    micro = make_cfg(tmp_path, train__grad_accum_steps=8,
+                     train__schedule={"warmup_steps": 2000, "warmup_unit": "micro_batches"})
+    assert warmup_steps(steps) == 2000 and warmup_steps(micro) == 250
+    odd = make_cfg(tmp_path, train__grad_accum_steps=3,
+                   train__schedule={"warmup_steps": 10, "warmup_unit": "micro_batches"})
+    assert warmup_steps(odd) == 4  # rounded up
