@@ -112,6 +112,32 @@ def grad_scaler(device: torch.device, precision: str, init_scale: float, growth_
     return torch.amp.GradScaler(device.type, init_scale=init_scale, growth_interval=growth_interval)
 
 
+def profiler(device: torch.device, wait: int, warmup: int, active: int, repeat: int, trace_dir: str,
+             on_trace=None, record_shapes: bool = False, with_stack: bool = False):
+    """A step-scheduled profiler writing TensorBoard traces into `trace_dir`: torch.profiler (CPU, plus
+    CUDA kernels on GPU), torch_npu.profiler on NPU. `on_trace(prof)` runs after each cycle too."""
+    if device.type == "npu":
+        import torch_npu  # type: ignore[import-not-found]
+
+        prof_mod = torch_npu.profiler
+        activities = [prof_mod.ProfilerActivity.CPU, prof_mod.ProfilerActivity.NPU]
+    else:
+        prof_mod = torch.profiler
+        activities = [prof_mod.ProfilerActivity.CPU]
+        if device.type == "cuda":
+            activities.append(prof_mod.ProfilerActivity.CUDA)
+    write = prof_mod.tensorboard_trace_handler(trace_dir)
+
+    def ready(prof) -> None:
+        write(prof)
+        if on_trace is not None:
+            on_trace(prof)
+
+    return prof_mod.profile(activities=activities, record_shapes=record_shapes, with_stack=with_stack,
+                            schedule=prof_mod.schedule(wait=wait, warmup=warmup, active=active, repeat=repeat),
+                            on_trace_ready=ready)
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

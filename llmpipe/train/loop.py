@@ -27,7 +27,7 @@ from llmpipe.data.shards import TokenShard
 from llmpipe.models.llama import Transformer, model_args
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing
 from llmpipe.parallel import build_strategy
-from llmpipe.train import debug
+from llmpipe.train import debug, profile
 from llmpipe.train.metrics import MetricsWriter
 from llmpipe.train.schedule import lr_factor, peak_lr, warmup_steps
 
@@ -254,12 +254,13 @@ class _Loop:
         t, env, strategy = self.cfg.train, self.env, self.strategy
         total, seen = torch.zeros((), device=env.device), False
         for micro in range(t.grad_accum_steps):
-            x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, strategy.data_rank),
-                          self.cfg.data.seq_len, env.device)
+            with profile.mark(profile.DATA):
+                x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, strategy.data_rank),
+                              self.cfg.data.seq_len, env.device)
             # Gradient sync is skipped on all but the last micro-step, except where the strategy
             # needs the first step of a process synchronous (DDP static_graph).
             sync = micro == t.grad_accum_steps - 1 or (strategy.sync_first_step and step == first_step)
-            with strategy.micro_context(sync):
+            with strategy.micro_context(sync), profile.mark(profile.FORWARD_BACKWARD):
                 loss = strategy.forward_backward(x, y)
             if loss is not None:
                 total, seen = total + loss, True
@@ -275,7 +276,8 @@ class _Loop:
             debug.inject_nan(grads, done, rank)
             if d.check_grad_consistency_every and done % d.check_grad_consistency_every == 0:
                 debug.check_replicas(grads, strategy.replica_group(), "synchronised gradients", done)
-        norm = strategy.step()
+        with profile.mark(profile.OPTIMIZER):
+            norm = strategy.step()
         scale = strategy.loss_scale()
         if scale is not None and scale < 1.0:
             log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "
@@ -298,34 +300,38 @@ class _Loop:
         tok_s_hist: list[float] = []
         loss = float("nan")
         t_start = time.perf_counter()
-        for step in range(start, t.max_steps):
-            t0 = time.perf_counter()
-            lr = self.strategy.lr()
-            local = self._micro_steps(step, start, consumed)
-            grad_norm = self._optimizer_step(step + 1)
-            loss = float(_reported_mean(local, env))
-            consumed += self.sampler.global_batch
-            dev.synchronize(env.device)
-            dt = time.perf_counter() - t0
-            tok_s = self.tokens_per_step / dt
-            tok_s_hist.append(tok_s)
-            rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
-                   "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
-            if self.strategy.loss_scale() is not None:
-                rec["loss_scale"] = self.strategy.loss_scale()
-            if self.strategy.skipped:
-                rec["skipped"] = True
-            self.writer.step(rec)
-            done = step + 1
-            if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
-                log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.2f%%",
-                         done, t.max_steps, loss, lr, grad_norm, tok_s, 100 * rec["mfu"])
-            if not math.isfinite(loss) and t.debug.nan_guard != "skip":
-                raise FloatingPointError(f"loss is {loss} at step {done}")
-            if done % t.eval.every_steps == 0 and done != t.max_steps:
-                self._eval(done)
-            if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
-                _save(out_dir, done, consumed, self.strategy, self.args, env, self.cfg)
+        prof = profile.StepProfiler(self.cfg, env, out_dir, self.tokens_per_step, self.flops_per_token,
+                                    self.peak_flops, first_step=start)
+        with prof:
+            for step in range(start, t.max_steps):
+                t0 = time.perf_counter()
+                lr = self.strategy.lr()
+                local = self._micro_steps(step, start, consumed)
+                grad_norm = self._optimizer_step(step + 1)
+                loss = float(_reported_mean(local, env))
+                consumed += self.sampler.global_batch
+                dev.synchronize(env.device)
+                dt = time.perf_counter() - t0
+                tok_s = self.tokens_per_step / dt
+                tok_s_hist.append(tok_s)
+                rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
+                       "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
+                if self.strategy.loss_scale() is not None:
+                    rec["loss_scale"] = self.strategy.loss_scale()
+                if self.strategy.skipped:
+                    rec["skipped"] = True
+                self.writer.step(rec)
+                done = step + 1
+                if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
+                    log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.2f%%",
+                             done, t.max_steps, loss, lr, grad_norm, tok_s, 100 * rec["mfu"])
+                if not math.isfinite(loss) and t.debug.nan_guard != "skip":
+                    raise FloatingPointError(f"loss is {loss} at step {done}")
+                if done % t.eval.every_steps == 0 and done != t.max_steps:
+                    self._eval(done)
+                if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
+                    _save(out_dir, done, consumed, self.strategy, self.args, env, self.cfg)
+                prof.step()
         val = self._eval(t.max_steps) if t.max_steps > start else val0
         steady = tok_s_hist[1:] or tok_s_hist
         return {"steps": t.max_steps, "resumed_from": start, "final_loss": loss, "val_loss_start": val0,
