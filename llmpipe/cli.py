@@ -5,6 +5,7 @@
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
+    llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
 
 User errors print one line, `error: ...`, and exit with status 2 (config) or 1 (a stage failed).
 """
@@ -53,6 +54,21 @@ def _parser() -> argparse.ArgumentParser:
     dry.add_argument("--world-size", type=int, help="default: dp * tp * pp from the config")
     dry.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     dry.add_argument("--all-ranks", action="store_true", help="print every rank, not only dp replica 0")
+
+    plan = sub.add_parser("plan", help="size a run before it starts: memory per device, FLOPs and training "
+                          "time, gradient-sync volume, pipeline bubble, the largest micro-batch that fits")
+    plan.add_argument("config")
+    plan.add_argument("--world-size", type=int, help="default: dp * tp * pp from the config, else nproc_per_node")
+    plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    plan.add_argument("--peak-tflops", type=float, help="dense peak per device; default: train.peak_tflops, "
+                      "else the Ascend 910B's")
+    plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
+    plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device network bandwidth for the "
+                      "gradient sync, gigabits/s (default 100)")
+    plan.add_argument("--tokens", type=float, help="training tokens; default 20 per parameter (Chinchilla)")
+    plan.add_argument("--memory-gib", type=float, help="memory per device for the recommendation (default 64, "
+                      "the Ascend 910B's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -136,6 +152,22 @@ def _dryrun(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from llmpipe import plan
+    from llmpipe.parallel.mesh import LayoutError
+
+    cfg = config_mod.load(args.config, list(args.overrides))
+    try:
+        p = plan.plan(cfg, args.world_size, peak_tflops=args.peak_tflops, mfu=args.mfu,
+                      bandwidth_gbps=args.bandwidth_gbps, tokens=args.tokens, memory_gib=args.memory_gib)
+    except LayoutError as err:
+        raise ConfigError(f"{args.config}: train.parallel: {err}") from None
+    print(json.dumps(p.to_dict(), indent=2) if args.json else plan.format_table(p))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
@@ -153,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             return _status(args)
         if args.command == "dryrun":
             return _dryrun(args)
+        if args.command == "plan":
+            return _plan(args)
         from llmpipe import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")
