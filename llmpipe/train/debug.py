@@ -9,6 +9,8 @@ when their environment variable is set (tests set them to trigger each switch on
     LLMPIPE_PERTURB_PARAMS_RANK=r       after building, rank r nudges its first parameter
     LLMPIPE_PERTURB_GRADS=step:rank     at that (1-based) step, that rank scales its gradients
     LLMPIPE_INJECT_NAN=step[:rank]      at that step, a NaN in that rank's first weight gradient
+    LLMPIPE_HANG=step:rank              at that step, that rank stops answering (sleeps), so its peers'
+                                        next collective runs into train.dist_timeout_s
 """
 
 from __future__ import annotations
@@ -109,6 +111,15 @@ def perturb_grads(named: list[tuple[str, torch.Tensor | None]], step: int, rank:
             for _, g in named:
                 if g is not None:
                     (g.to_local() if isinstance(g, DTensor) else g).mul_(1.001)
+
+
+def hang(step: int, rank: int) -> None:
+    hit = _env_step_rank("LLMPIPE_HANG")
+    if hit and hit[0] == step and hit[1] in (None, rank):
+        import time
+
+        log.warning("LLMPIPE_HANG: rank %d stops answering at step %d", rank, step)
+        time.sleep(3600)
 
 
 def inject_nan(named: list[tuple[str, torch.Tensor | None]], step: int, rank: int) -> None:

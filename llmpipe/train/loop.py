@@ -270,6 +270,7 @@ class _Loop:
         """Troubleshooting checks around strategy.step() for optimizer step `done` (1-based)."""
         strategy, d, rank = self.strategy, self.cfg.train.debug, self.env.rank
         strategy.step_number = done
+        debug.hang(done, rank)  # test-only: a rank that stops answering
         if strategy.supports_replica_checks:
             grads = [(n, p.grad) for n, p in strategy.named_parameters()]
             debug.perturb_grads(grads, done, rank)  # test-only fault injections

@@ -6,6 +6,7 @@ come from llmpipe.train.debug's test-only environment hooks."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -83,3 +84,15 @@ def test_loss_scale_watch_stops_a_collapsing_fp16_scale(tmp_path, data):
                       train__debug={"loss_scale_stop_below": 1e38})
     assert code != 0
     assert "step 1: fp16 loss scale 5e+37 fell below train.debug.loss_scale_stop_below=1e+38" in text, text[-2000:]
+
+
+def test_a_silent_rank_runs_into_the_communication_timeout(tmp_path, data):
+    import time
+
+    t0 = time.monotonic()
+    code, text = _run(tmp_path, data, {"LLMPIPE_HANG": "2:1"}, train__dist_timeout_s=10)
+    elapsed = time.monotonic() - t0
+    assert code != 0
+    assert "LLMPIPE_HANG: rank 1 stops answering at step 2" in text
+    assert re.search(r"[Tt]imed out|[Tt]imeout", text), text[-2000:]  # rank 0's collective gave up
+    assert elapsed < 120  # not the hour rank 1 sleeps: torchrun tears the job down after the timeout
