@@ -112,15 +112,13 @@ def _torch_optimizer(strategy) -> torch.optim.Optimizer:
     return engine.basic_optimizer if engine is not None else strategy.opt
 
 
-def worker(config: str, out: str, steps: int) -> None:
-    """torchrun worker: train `steps` steps on random tokens, write rank{N}.json."""
+def init_worker(config: str):
+    """A gloo rank under torchrun: (config, llmpipe Env on CPU in fp32), one thread; DeepSpeed imported
+    first for data=zero, so its import cost is outside any baseline taken afterwards."""
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     from llmpipe import config as config_mod
-    from llmpipe.parallel import build_strategy
-    from llmpipe.train.loop import Env, build_model, build_optimizer
-    from llmpipe.train.main import _exit
+    from llmpipe.train.loop import Env
 
     cfg = config_mod.load(config)
     dist.init_process_group("gloo")
@@ -128,7 +126,19 @@ def worker(config: str, out: str, steps: int) -> None:
     torch.set_num_threads(1)
     if cfg.train.parallel.data == "zero":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed  # noqa: F401  (imported before the baseline, like torch)
+        import deepspeed  # noqa: F401
+    return cfg, env
+
+
+def worker(config: str, out: str, steps: int) -> None:
+    """torchrun worker: train `steps` steps on random tokens, write rank{N}.json."""
+    import torch.nn.functional as F
+
+    from llmpipe.parallel import build_strategy
+    from llmpipe.train.loop import build_model, build_optimizer
+    from llmpipe.train.main import _exit
+
+    cfg, env = init_worker(config)
     before = _rss_now()
     args, model = build_model(cfg, VOCAB, env)
     opt, sched = build_optimizer(model, cfg)

@@ -37,7 +37,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.memory_per_rank import CATEGORIES, STRATEGIES, _torch_optimizer, count_states  # noqa: E402
+from benchmarks.memory_per_rank import (  # noqa: E402
+    CATEGORIES,
+    STRATEGIES,
+    _torch_optimizer,
+    count_states,
+    init_worker,
+)
 
 VOCAB = 512
 CASES: dict[str, dict] = {**STRATEGIES, "tp2": {"data": "ddp", "tp": 2}, "pp2": {"data": "ddp", "pp": 2}}
@@ -129,18 +135,9 @@ def _micro_step(strategy, forward, x, y, measure: bool) -> int | None:
 
 def worker(config: str, out: str, steps: int) -> None:
     """torchrun worker: train `steps` steps on random tokens, write rank{N}.json."""
-    import torch.distributed as dist
-
-    from llmpipe import config as config_mod
-    from llmpipe.train.loop import Env
     from llmpipe.train.main import _exit
 
-    cfg = config_mod.load(config)
-    dist.init_process_group("gloo")
-    env = Env(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "fp32")
-    torch.set_num_threads(1)
-    if cfg.train.parallel.data == "zero":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    cfg, env = init_worker(config)
     strategy, pairs, forward = _build(cfg, env)
     samples: list[int] = []
 
