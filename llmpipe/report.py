@@ -21,11 +21,12 @@ REPORT = "report.html"
 
 
 def stage_rows(cfg: RunConfig) -> list[dict[str, Any]]:
-    """One row per stage: state against the current config, status, duration, fingerprint."""
+    """One row per stage: state against the current config and the files on disk (sha256 through
+    the digest cache, so a same-size corruption shows as "corrupt"), status, duration, fingerprint."""
     fps = fingerprints(cfg)
     rows = []
     for name in STAGES:
-        st, manifest = state(cfg, name, fps[name], full=False)
+        st, manifest = state(cfg, name, fps[name], full=True)
         rows.append({"stage": name, "state": st, "status": manifest.status if manifest else "-",
                      "reason": (manifest.reason or "") if manifest else "",
                      "duration_s": manifest.duration_s if manifest else None,

@@ -1,13 +1,16 @@
-"""The stage contract: fingerprints, skip-if-done, atomic publish.
+"""The stage contract: fingerprints, verified inputs, skip-if-done, atomic publish.
 
 `run_stage(name, cfg)` is what both the CLI and the Prefect tasks call. Each stage writes into
 `artifacts/<run>/.<NN_stage>.partial/`, which is renamed to `<NN_stage>/` only when the stage
-succeeds, and then carries `manifest.json`. A stage whose manifest verifies and whose
-fingerprint equals the one computed from the current config is skipped.
+succeeds, and then carries `manifest.json`. A stage whose manifest validates, is consistent with
+its status, verifies (every output's size and sha256) and whose fingerprint equals the one computed
+now is skipped.
 
-Fingerprints are derived from the config alone: a stage's own config sections, its inputs'
-fingerprints and the library version. So the whole chain's fingerprints are known before
-anything runs, and a change to one section re-runs that stage and everything after it.
+A stage's fingerprint hashes its own config sections, environment facts (`extra`), the library
+version, and the content digest of each input stage's outputs as recorded in that stage's manifest
+(`Manifest.content_digest`). So a config change re-runs the stage it belongs to; whatever follows
+re-runs only if the bytes it reads changed. Inputs are verified in full (sha256, through the
+digest cache) before a stage reads them: a corrupted input stops the stage with the file's name.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 import llmpipe
 from llmpipe.config import STAGES, ConfigError, RunConfig, section
 from llmpipe.lock import run_lock
-from llmpipe.manifest import Manifest, file_entry, fingerprint, versions
+from llmpipe.manifest import DigestCache, Manifest, ManifestError, file_entry, fingerprint, versions
 
 log = logging.getLogger("llmpipe.stages")
 
@@ -58,19 +61,24 @@ class StageSpec:
     entry: str  # "module:function" taking a StageContext, returning a StageResult
     resumable: bool = False  # keep the partial folder across failed attempts (training)
     extra: str | None = None  # "module:function(cfg) -> dict" of environment facts in the fingerprint
+    outputs: tuple[str, ...] = ()  # what a completed manifest must list (a folder output: "name/")
+    may_skip: bool = False  # whether "skipped" (with a reason) is a legitimate result
 
 
 SPECS: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("prepare_data", ("data", "run.seed"), (), "llmpipe.data.prepare:run",
-              extra="llmpipe.data.corpus:fingerprint_extra"),
+              extra="llmpipe.data.corpus:fingerprint_extra",
+              outputs=("tokenizer", "train_bin", "train_idx", "val_bin", "val_idx", "meta")),
     StageSpec("train", ("model", "train", "run.seed"), ("prepare_data",), "llmpipe.train.stage:run",
-              resumable=True),
-    StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run"),
-    StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run"),
+              resumable=True, outputs=("checkpoint/", "metrics", "model_config", "summary", "config")),
+    StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run",
+              outputs=("model", "model_config", "tokenizer")),
+    StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run",
+              outputs=("model", "parity")),
     StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run",
-              extra="llmpipe.export.atc:fingerprint_extra"),
+              extra="llmpipe.export.atc:fingerprint_extra", outputs=("om", "log", "argv"), may_skip=True),
     StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate"),
-              "llmpipe.bench.run:run"),
+              "llmpipe.bench.run:run", outputs=("results", "table")),
 )}
 assert tuple(SPECS) == STAGES
 
@@ -109,14 +117,28 @@ def _resolve(entry: str) -> Callable:
     return getattr(importlib.import_module(module), func)
 
 
+def _content(run_dir: Path, name: str) -> str:
+    """Content digest of stage `name`'s recorded outputs, or a word saying why there is none."""
+    try:
+        manifest = Manifest.load(stage_dir(run_dir, name))
+    except ManifestError:
+        return "invalid"
+    return manifest.content_digest() if manifest is not None else "missing"
+
+
 def fingerprints(cfg: RunConfig) -> dict[str, str]:
-    """Expected fingerprint of every stage under `cfg`, in pipeline order."""
+    """Expected fingerprint of every stage under `cfg`, in pipeline order, given the inputs on disk now."""
     out: dict[str, str] = {}
+    contents: dict[str, str] = {}
+    run_dir = cfg.run_dir()
     for name, spec in SPECS.items():
+        for i in spec.inputs:
+            if i not in contents:
+                contents[i] = _content(run_dir, i)
         payload = {
             "stage": name,
             "config": {s: section(cfg, s) for s in spec.sections},
-            "inputs": {i: out[i] for i in spec.inputs},
+            "inputs": {i: contents[i] for i in spec.inputs},
             "llmpipe": llmpipe.__version__,
         }
         if spec.extra:
@@ -125,18 +147,48 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
     return out
 
 
-def state(cfg: RunConfig, name: str, expected: str | None = None, full: bool = True) -> tuple[str, Manifest | None]:
-    """("done" | "stale" | "invalid: <why>" | "missing", manifest) for one stage."""
+def consistency(spec: StageSpec, manifest: Manifest) -> str | None:
+    """Why `manifest` cannot be what stage `spec` produced (status vs outputs), or None."""
+    if manifest.stage != spec.name:
+        return f"manifest is for stage {manifest.stage!r}"
+    if manifest.status == "skipped":
+        if not spec.may_skip:
+            return f"status is skipped, but {spec.name} is never skipped"
+        if not manifest.reason:
+            return "status is skipped without a reason"
+        if manifest.outputs:
+            return "status is skipped, but outputs are listed"
+        return None
+    for want in spec.outputs:
+        listed = (any(n.startswith(want) for n in manifest.outputs) if want.endswith("/")
+                  else want in manifest.outputs)
+        if not listed:
+            return f"status is completed, but output {want.rstrip('/')} is not listed"
+    return None
+
+
+def state(cfg: RunConfig, name: str, expected: str | None = None, full: bool = True,
+          rehash: bool = False) -> tuple[str, Manifest | None]:
+    """One stage's state and manifest: "done", "stale" (fingerprint differs), "missing",
+    "invalid: <why>" (manifest off-schema or inconsistent) or "corrupt: <why>" (outputs differ from it).
+
+    full=True checks every output's sha256 (through the digest cache unless `rehash`)."""
     folder = stage_dir(cfg.run_dir(), name)
-    manifest = Manifest.read(folder)
+    try:
+        manifest = Manifest.load(folder)
+    except ManifestError as err:
+        return f"invalid: {err}", None
     if manifest is None:
         return "missing", None
+    problem = consistency(SPECS[name], manifest)
+    if problem:
+        return f"invalid: {folder / 'manifest.json'}: {problem}", manifest
     expected = expected or fingerprints(cfg)[name]
     if manifest.fingerprint != expected:
         return "stale", manifest
-    problem = manifest.verify(folder, full=full)
+    problem = manifest.verify(folder, full=full, rehash=rehash)
     if problem:
-        return f"invalid: {problem}", manifest
+        return f"corrupt: {problem}", manifest
     return "done", manifest
 
 
@@ -157,17 +209,24 @@ def _prepare_partial(partial: Path, fp: str, resumable: bool) -> None:
 
 
 def _expand_outputs(root: Path, outputs: dict[str, str]) -> dict[str, dict[str, Any]]:
+    """Manifest entries for a stage's outputs (a folder expands to its files); the digests are
+    remembered in the folder's digest cache, so the first verification does not hash them again."""
     entries: dict[str, dict[str, Any]] = {}
+    cache = DigestCache(root)
+    inside = root.resolve()
     for name, rel in outputs.items():
         p = root / rel
+        if not p.resolve().is_relative_to(inside):
+            raise StageError(f"stage output {name} ({p}) resolves outside its folder {root}")
         if p.is_dir():
             for f in sorted(x for x in p.rglob("*") if x.is_file()):
                 sub = f.relative_to(root).as_posix()
-                entries[f"{name}/{f.relative_to(p).as_posix()}"] = file_entry(root, sub)
+                entries[f"{name}/{f.relative_to(p).as_posix()}"] = file_entry(root, sub, cache)
         elif p.is_file():
-            entries[name] = file_entry(root, rel)
+            entries[name] = file_entry(root, rel, cache)
         else:
             raise StageError(f"stage produced no {name} ({p})")
+    cache.save()
     return entries
 
 
@@ -194,12 +253,12 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
         if status == "done":
             log.info("%s: up to date (fingerprint %s), skipped", name, fps[name][:12])
             return manifest, False
-        if manifest is not None:
+        if status != "missing":
             log.info("%s: existing result is %s; running again", name, status)
 
     inputs: dict[str, tuple[Path, Manifest]] = {}
-    for dep in spec.inputs:
-        status, manifest = state(cfg, dep, fps[dep], full=False)
+    for dep in spec.inputs:  # verified in full: a stage never reads bytes its manifest does not vouch for
+        status, manifest = state(cfg, dep, fps[dep], full=True)
         if status != "done":
             raise StageError(f"{name} needs {dep}, which is {status}; run {dep} first")
         inputs[dep] = (stage_dir(run_dir, dep), manifest)
@@ -240,7 +299,8 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
         stage=name, status=result.status, reason=result.reason, fingerprint=fps[name],
         outputs=_expand_outputs(partial, result.outputs), metrics=result.metrics,
         config=cfg.to_dict(), versions=versions(), started_at=started, finished_at=_now(),
-        duration_s=round(time.monotonic() - t0, 3), inputs={d: fps[d] for d in spec.inputs},
+        duration_s=round(time.monotonic() - t0, 3),
+        inputs={d: m.content_digest() for d, (_, m) in inputs.items()},
     )
     manifest.write(partial)
     _publish(partial, final)

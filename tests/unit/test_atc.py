@@ -303,8 +303,10 @@ def _publish_export_onnx(cfg: config.RunConfig) -> None:
     folder = stages.stage_dir(cfg.run_dir(), "export_onnx")
     folder.mkdir(parents=True)
     (folder / "model.onnx").write_bytes(b"not really onnx")
+    (folder / "parity.json").write_text("{}")
     Manifest(stage="export_onnx", status="completed", fingerprint=stages.fingerprints(cfg)["export_onnx"],
-             outputs={"model": file_entry(folder, "model.onnx")}).write(folder)
+             outputs={"model": file_entry(folder, "model.onnx"), "parity": file_entry(folder, "parity.json")},
+             ).write(folder)
 
 
 def test_run_stage_records_skip_then_reruns_when_atc_appears(tmp_path, monkeypatch, no_path_atc):

@@ -52,8 +52,11 @@ def test_stage_exports_with_parity_on_dynamic_shapes(tmp_path):
     # Run through the real framework: a published consolidate stage, then run_stage.
     consolidated = stages.stage_dir(cfg.run_dir(), "consolidate")
     _model_folder(consolidated)
+    (consolidated / model_io.TOKENIZER).write_text("{}")  # a completed consolidate lists all three
     Manifest(stage="consolidate", status="completed", fingerprint=stages.fingerprints(cfg)["consolidate"],
-             outputs={"model": file_entry(consolidated, model_io.WEIGHTS)}).write(consolidated)
+             outputs={"model": file_entry(consolidated, model_io.WEIGHTS),
+                      "model_config": file_entry(consolidated, model_io.CONFIG),
+                      "tokenizer": file_entry(consolidated, model_io.TOKENIZER)}).write(consolidated)
 
     manifest, executed = stages.run_stage("export_onnx", cfg)
 
