@@ -8,22 +8,28 @@ recorded reason instead of failing the stage: a web-scale crawl always holds a f
 
 from __future__ import annotations
 
+import codecs
+import errno
+import fnmatch
 import glob
 import json
 import logging
 import os
+import stat
 import sysconfig
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from llmpipe.data.tokenizer import PIECE_CHARS, cut_point, split_text
 from llmpipe.stages import StageError
 
 log = logging.getLogger("llmpipe.data")
 
 MAX_LISTED = 50  # skipped files / bad lines kept by name; all are counted
 JSONL_SUFFIXES = (".jsonl",)
+READ_BYTES = 1 << 18  # block size of the streamed content check
 
 
 @dataclass
@@ -61,108 +67,292 @@ def expand_pattern(pattern: str) -> str:
     return os.path.expanduser(pattern.replace("{stdlib}", sysconfig.get_paths()["stdlib"]))
 
 
-def expand_inputs(patterns: Sequence[str], max_files: int | None = None) -> list[Path]:
-    """Files matched by `patterns` (recursive ** allowed), absolute, sorted, de-duplicated.
+@dataclass
+class Inputs:
+    """The files `data.inputs` matched, once each, and the symlink loops the search did not follow."""
 
-    Raises StageError naming `data.inputs[i]` when a pattern matches no file. `max_files` keeps
-    the first N in sorted order, so a capped run reads the same files every time.
+    files: list[Path]
+    symlink_loops: list[str]  # links (as matched) back to a folder on their own path, or ELOOP links
+
+
+_LOOP = ("loop",)  # _dir_id of a link that cannot be resolved because it points at itself (ELOOP)
+
+
+def _dir_id(path: str) -> tuple | None:
+    """(device, inode) of the folder `path` resolves to; None when it is not one; _LOOP on ELOOP."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        return _LOOP if err.errno == errno.ELOOP else None
+    return (st.st_dev, st.st_ino) if stat.S_ISDIR(st.st_mode) else None
+
+
+def _listdir(folder: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder or os.curdir))
+    except OSError:  # unreadable or vanished: glob skips those silently too
+        return []
+
+
+class _Glob:
+    """glob.glob(pattern, recursive=True), but each folder is entered once per pattern position, and a
+    symlink to a folder on its own path is recorded in `loops` instead of followed.
+
+    NOTE: glob follows directory links under ** without memory: `ln -s .. a/b/back` makes a/**
+    revisit `a` until the path is too long for the OS (4 files were read 164 times), and two such
+    links grow that exponentially. Entering a folder once per (inode, position) keeps every match
+    up to the spelling of its path, and matches are de-duplicated by real path afterwards.
+    Hidden names match only a part that starts with '.', as in glob.
     """
-    found: set[str] = set()
+
+    def __init__(self) -> None:
+        self.loops: set[str] = set()
+        self._seen: set[tuple] = set()
+
+    def __call__(self, pattern: str) -> Iterator[str]:
+        self._seen = set()
+        root = os.sep if pattern.startswith(os.sep) else ""
+        parts = [p for p in pattern.split(os.sep) if p]
+        top = _dir_id(root or os.curdir)
+        if parts and top not in (None, _LOOP):
+            yield from self._match(root, parts, 0, (top,))
+
+    def _match(self, folder: str, parts: list[str], i: int, stack: tuple) -> Iterator[str]:
+        """Paths under `folder` matching parts[i:]; stack: ids of the folders on the path, `folder` last."""
+        if i == len(parts):
+            yield folder
+            return
+        part = parts[i]
+        if part == "**":
+            yield from self._recurse(folder, parts, i, stack)
+            return
+        if glob.has_magic(part):
+            names = _listdir(folder)
+            names = fnmatch.filter(names if part.startswith(".") else [n for n in names if n[0] != "."], part)
+        else:
+            names = [part]
+        for name in names:
+            path = os.path.join(folder, name)
+            if i + 1 == len(parts):
+                yield path
+            elif (child := _dir_id(path)) not in (None, _LOOP):
+                yield from self._match(path, parts, i + 1, stack + (child,))
+
+    def _recurse(self, folder: str, parts: list[str], i: int, stack: tuple) -> Iterator[str]:
+        """'**' at parts[i]: `folder` and every folder below it, then parts[i+1:] from each."""
+        if (key := (stack[-1], i)) in self._seen:
+            return
+        self._seen.add(key)
+        yield from self._match(folder, parts, i + 1, stack)
+        last = i + 1 == len(parts)  # a final '**' matches the files too
+        for name in _listdir(folder):
+            if name[0] == ".":
+                continue
+            path = os.path.join(folder, name)
+            child = _dir_id(path)
+            if child is None:
+                if last:
+                    yield path
+            elif child is _LOOP or child in stack:
+                self.loops.add(os.path.abspath(path))
+            else:
+                yield from self._recurse(path, parts, i, stack + (child,))
+
+
+def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs:
+    """Files matched by `patterns` (recursive ** allowed), absolute, sorted, each file once.
+
+    A file reached by several paths (symlinks, overlapping patterns) is kept once, under the first
+    of its paths in sorted order. Raises StageError naming `data.inputs[i]` when a pattern matches
+    no file. `max_files` keeps the first N in sorted order, so a capped run reads the same files.
+    """
+    walk = _Glob()
+    by_real: dict[str, str] = {}  # real path -> the path it is read (and shown) under
     for i, pattern in enumerate(patterns):
         expanded = expand_pattern(pattern)
-        matches = {os.path.abspath(p) for p in glob.glob(expanded, recursive=True) if os.path.isfile(p)}
-        if not matches:
+        matched = False
+        for p in walk(expanded):
+            if os.path.isfile(p):
+                matched = True
+                path, real = os.path.abspath(p), os.path.realpath(p)
+                by_real[real] = min(path, by_real.get(real, path))
+        if not matched:
             shown = repr(pattern) if expanded == pattern else f"{pattern!r} (-> {expanded!r})"
             raise StageError(f"data.inputs[{i}]: {shown} matched no files")
-        found |= matches
-    files = [Path(p) for p in sorted(found)]
+    files = [Path(p) for p in sorted(by_real.values())]
     if max_files is not None and len(files) > max_files:
         log.info("data.max_files=%d: reading %d of %d matched files", max_files, max_files, len(files))
         files = files[:max_files]
-    return files
+    return Inputs(files, sorted(walk.loops))
 
 
-def _decode(raw: bytes) -> tuple[str | None, str | None]:
-    """(text, None) or (None, why the bytes are not usable text)."""
-    if not raw.strip():
-        return None, "empty"
-    if b"\x00" in raw:
-        return None, "binary (contains NUL bytes)"
+def expand_inputs(patterns: Sequence[str], max_files: int | None = None) -> list[Path]:
+    """find_inputs(...).files."""
+    return find_inputs(patterns, max_files).files
+
+
+class Piece(NamedTuple):
+    """A part of one document, at most tokenizer.PIECE_CHARS characters: `first` and `last` mark the
+    document's start and end (a short document is one piece, both)."""
+
+    text: str
+    first: bool
+    last: bool
+
+
+def _check_file(path: Path) -> str | None:
+    """None when the file is usable text, else why not: empty, binary or not UTF-8.
+
+    Streams the file in blocks, so a file of any size costs one block of memory."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    offset, blank = 0, True
+    with open(path, "rb") as f:
+        while block := f.read(READ_BYTES):
+            if b"\x00" in block:
+                return "binary (contains NUL bytes)"
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as err:  # err.object = the bytes held back from the last block + this one
+                return f"not UTF-8 (invalid byte at offset {offset + len(block) - len(err.object) + err.start})"
+            blank = blank and not block.strip()
+            offset += len(block)
     try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return None, f"not UTF-8 (invalid byte at offset {err.start})"
-    return text.removeprefix("\ufeff"), None  # a BOM is an encoding marker, not text
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError as err:  # the file ends inside a multi-byte character
+        return f"not UTF-8 (invalid byte at offset {offset - len(err.object) + err.start})"
+    return "empty" if blank else None
 
 
-def _jsonl_documents(text: str, path: Path, text_field: str, stats: CorpusStats) -> list[str]:
-    """The usable `text_field` strings of a .jsonl file; every other non-blank line is a bad line."""
-    docs: list[str] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            stats.bad_line(path, lineno, "not valid JSON")
-            continue
-        if not isinstance(record, dict):
-            stats.bad_line(path, lineno, f"a JSON {type(record).__name__}, not an object")
-            continue
-        value = record.get(text_field)
-        if not isinstance(value, str):
-            why = "missing" if value is None else f"a {type(value).__name__}, not a string"
-            stats.bad_line(path, lineno, f"field {text_field!r} is {why}")
-        elif not value.strip():
-            stats.bad_line(path, lineno, f"field {text_field!r} is empty")
-        else:
-            docs.append(value)
-    return docs
+def _text_pieces(path: Path, budget: int) -> Iterator[str]:
+    """A plain file's text in pieces (tokenizer.cut_point), read as a stream: the whole text never
+    sits in memory. newline="" keeps line ends as written; utf-8-sig drops a leading BOM (an
+    encoding marker, not text)."""
+    with open(path, encoding="utf-8-sig", newline="") as f:
+        buf = ""
+        while chunk := f.read(budget):
+            buf += chunk
+            while len(buf) > budget:  # cut_point needs the character after the cut
+                cut = cut_point(buf, 0, budget)
+                yield buf[:cut]
+                buf = buf[cut:]
+        if buf:
+            yield buf
+
+
+def _jsonl_documents(path: Path, text_field: str, stats: CorpusStats) -> Iterator[str]:
+    """The usable `text_field` strings of a .jsonl file, line by line; other non-blank lines are bad lines.
+
+    Lines are split at b"\\n" only: a JSON string may hold U+2028 or U+0085, which str.splitlines cuts."""
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            line = raw.decode("utf-8").removeprefix("\ufeff") if lineno == 1 else raw.decode("utf-8")
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError:
+                stats.bad_line(path, lineno, "not valid JSON")
+                continue
+            if not isinstance(record, dict):
+                stats.bad_line(path, lineno, f"a JSON {type(record).__name__}, not an object")
+                continue
+            value = record.get(text_field)
+            if not isinstance(value, str):
+                why = "missing" if value is None else f"a {type(value).__name__}, not a string"
+                stats.bad_line(path, lineno, f"field {text_field!r} is {why}")
+            elif not value.strip():
+                stats.bad_line(path, lineno, f"field {text_field!r} is empty")
+            else:
+                yield value
+
+
+def _marked(parts: Iterable[str]) -> Iterator[Piece]:
+    """Pieces of one document from its parts, the first and last marked."""
+    it = iter(parts)
+    prev = next(it, None)
+    first = True
+    for part in it:
+        yield Piece(prev, first, False)
+        prev, first = part, False
+    if prev is not None:
+        yield Piece(prev, first, True)
 
 
 class Corpus:
     """The documents of `files`, re-iterable; each pass starts a fresh `stats`.
 
-    Iterating twice reads the files twice: that keeps memory flat on a big corpus (one pass
-    trains the tokenizer, the next tokenizes), at the price of reading small text twice.
+    `pieces()` is the pass to use on real data: a long document comes in pieces of at most
+    `piece_chars` characters, so memory does not grow with a document's length. Iterating the
+    corpus itself gives whole documents (small corpora, tests). Every pass reads the files again:
+    that keeps memory flat on a big corpus (one pass trains the tokenizer, the next tokenizes),
+    at the price of reading small text twice.
     """
 
-    def __init__(self, files: Sequence[Path], text_field: str = "text", max_file_bytes: int = 64 << 20):
+    def __init__(self, files: Sequence[Path], text_field: str = "text", max_file_bytes: int = 64 << 20,
+                 piece_chars: int = PIECE_CHARS):
         self.files = list(files)
         self.text_field = text_field
         self.max_file_bytes = max_file_bytes
+        self.piece_chars = piece_chars
         self.stats = CorpusStats()
+        self._checked: dict[Path, tuple[int, int, str | None]] = {}  # path -> (size, mtime_ns, why unusable)
 
-    def __iter__(self) -> Iterator[str]:
+    def pieces(self) -> Iterator[Piece]:
+        """Every document as Pieces, in file order."""
         self.stats = stats = CorpusStats()
         for path in self.files:
             yield from self._read(path, stats)
 
-    def _read(self, path: Path, stats: CorpusStats) -> list[str]:
+    def texts(self) -> Iterator[str]:
+        """The pieces' texts (what the tokenizer trainer reads)."""
+        return (p.text for p in self.pieces())
+
+    def __iter__(self) -> Iterator[str]:
+        parts: list[str] = []
+        for piece in self.pieces():
+            parts.append(piece.text)
+            if piece.last:
+                yield "".join(parts)
+                parts = []
+
+    def _unusable(self, path: Path) -> str | None:
+        """Why `path` cannot be read as text, or None; the content check is cached by size and mtime,
+        so the second pass does not read a file three times. Raises OSError."""
+        st = path.stat()
+        if st.st_size > self.max_file_bytes:
+            return f"over data.max_file_bytes ({st.st_size} > {self.max_file_bytes} bytes)"
+        cached = self._checked.get(path)
+        if cached is None or cached[:2] != (st.st_size, st.st_mtime_ns):
+            cached = self._checked[path] = (st.st_size, st.st_mtime_ns, _check_file(path))
+        return cached[2]
+
+    def _read(self, path: Path, stats: CorpusStats) -> Iterator[Piece]:
         try:
-            size = path.stat().st_size
-            if size > self.max_file_bytes:
-                stats.skip(path, f"over data.max_file_bytes ({size} > {self.max_file_bytes} bytes)")
-                return []
-            raw = path.read_bytes()
+            why = self._unusable(path)
         except OSError as err:
-            stats.skip(path, f"unreadable ({err.strerror or err})")
-            return []
-        text, why = _decode(raw)
-        if text is None:
-            stats.skip(path, why or "unusable")
-            return []
-        if path.suffix.lower() in JSONL_SUFFIXES:
-            docs = _jsonl_documents(text, path, self.text_field, stats)
-            if not docs:
-                stats.skip(path, f"no usable records with a {self.text_field!r} string")
-                return []
-        else:
-            docs = [text]
+            why = f"unreadable ({err.strerror or err})"
+        if why:
+            stats.skip(path, why)
+            return
+        docs = 0
+        try:
+            if path.suffix.lower() in JSONL_SUFFIXES:
+                for doc in _jsonl_documents(path, self.text_field, stats):
+                    docs += 1
+                    stats.documents += 1
+                    yield from _marked(split_text(doc, self.piece_chars))
+            else:
+                docs = 1
+                stats.documents += 1
+                yield from _marked(_text_pieces(path, self.piece_chars))
+        except (OSError, UnicodeDecodeError) as err:  # it passed the check: it changed, or the disk failed
+            raise StageError(f"data.inputs: {path}: read failed after it was checked, changed while being "
+                             f"read? ({getattr(err, 'strerror', None) or err})") from None
+        if not docs:
+            stats.skip(path, f"no usable records with a {self.text_field!r} string")
+            return
         stats.files_read += 1
-        stats.bytes += len(raw)
-        stats.documents += len(docs)
-        return docs
+        stats.bytes += self._checked[path][0]
 
 
 def fingerprint_extra(cfg) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from llmpipe.config import DataSection
-from llmpipe.data.corpus import Corpus, CorpusStats, expand_inputs
+from llmpipe.data.corpus import Corpus, CorpusStats, Piece, find_inputs
 from llmpipe.data.shards import ShardWriter, token_dtype
 from llmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from llmpipe.manifest import write_json_atomic
@@ -32,7 +32,7 @@ log = logging.getLogger("llmpipe.data")
 
 OUTPUTS = {"tokenizer": "tokenizer.json", "train_bin": "train.bin", "train_idx": "train.idx",
            "val_bin": "val.bin", "val_idx": "val.idx", "meta": "data_meta.json"}
-CHUNK_DOCS = 1024  # documents per encode_batch call; rayon spreads one call over all cores
+CHUNK_DOCS = 1024  # pieces (documents, parts of long ones) per encode_batch call; rayon uses all cores
 CHUNK_CHARS = 4 << 20  # ... or fewer, so a chunk's ids (Python ints) stay around 100 MB at most
 
 
@@ -60,48 +60,61 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     return is_val
 
 
-def _chunks(docs: Iterable[str], max_docs: int = CHUNK_DOCS,
-            max_chars: int = CHUNK_CHARS) -> Iterator[list[str]]:
-    chunk: list[str] = []
+def _chunks(pieces: Iterable[Piece], max_pieces: int = CHUNK_DOCS,
+            max_chars: int = CHUNK_CHARS) -> Iterator[list[Piece]]:
+    chunk: list[Piece] = []
     chars = 0
-    for doc in docs:
-        chunk.append(doc)
-        chars += len(doc)
-        if len(chunk) >= max_docs or chars >= max_chars:
+    for piece in pieces:
+        chunk.append(piece)
+        chars += len(piece.text)
+        if len(chunk) >= max_pieces or chars >= max_chars:
             yield chunk
             chunk, chars = [], 0
     if chunk:
         yield chunk
 
 
-def tokenize_to_shards(docs: Iterable[str], tok: Tokenizer, eos: int, is_val: np.ndarray, out_dir: Path,
+def _changed(done: int, n_docs: int) -> StageError:
+    how = f"more than the {n_docs}" if done > n_docs else f"{done} documents, not the {n_docs}"
+    return StageError(f"data.inputs: the corpus changed while being read ({how} documents of the first pass)")
+
+
+def tokenize_to_shards(pieces: Iterable[Piece], tok: Tokenizer, eos: int, is_val: np.ndarray, out_dir: Path,
                        dtype: np.dtype) -> dict[str, int]:
-    """Encode `docs` (EOS after each) into out_dir/train.bin|idx and val.bin|idx; returns token counts."""
+    """Encode documents, given as pieces (EOS after each document's last), into out_dir/train.bin|idx
+    and val.bin|idx; returns token counts. A long document's pieces are encoded separately and their
+    ids joined (see tokenizer.cut_point for why that equals encoding it whole)."""
     # NOTE: the literal eos text inside a document stays plain text; only our appended id separates documents.
     tok.encode_special_tokens = True
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets: ~3x quicker
-    n_docs, done = len(is_val), 0
+    n_docs, doc = len(is_val), -1
     with ShardWriter(out_dir / OUTPUTS["train_bin"], dtype) as train, \
             ShardWriter(out_dir / OUTPUTS["val_bin"], dtype) as val, \
             tqdm(total=n_docs, unit="doc", desc="tokenize", file=sys.stderr, disable=not _show_progress(),
                  mininterval=0.5, dynamic_ncols=True) as bar:
-        for chunk in _chunks(docs):
-            if done + len(chunk) > n_docs:
-                raise StageError(f"data.inputs: the corpus changed while being read "
-                                 f"(more than the {n_docs} documents of the first pass)")
+        for chunk in _chunks(pieces):
             splits: tuple[list[list[int]], list[list[int]]] = ([], [])
-            for enc, held_out in zip(encode(chunk, add_special_tokens=False), is_val[done:done + len(chunk)]):
+            continues = [False, False]  # a split's first list in this chunk goes on with an earlier document
+            for piece, enc in zip(chunk, encode([p.text for p in chunk], add_special_tokens=False)):
+                doc += piece.first
+                if doc >= n_docs:
+                    raise _changed(doc + 1, n_docs)
+                held_out = int(is_val[doc])
                 ids = enc.ids
-                ids.append(eos)
-                splits[int(held_out)].append(ids)
-            train.add_documents(splits[0])
-            val.add_documents(splits[1])
-            done += len(chunk)
-            bar.update(len(chunk))
+                if piece.last:
+                    ids.append(eos)
+                docs = splits[held_out]
+                if not piece.first and docs:  # the same document's previous piece is docs[-1]
+                    docs[-1].extend(ids)
+                else:
+                    continues[held_out] |= not piece.first
+                    docs.append(ids)
+            train.add_documents(splits[0], continues=continues[0])
+            val.add_documents(splits[1], continues=continues[1])
+            bar.update(sum(p.first for p in chunk))
             bar.set_postfix_str(f"{_human(train.n_tokens + val.n_tokens)} tokens", refresh=False)
-    if done != n_docs:
-        raise StageError(f"data.inputs: the corpus changed while being read "
-                         f"({done} documents, the first pass had {n_docs})")
+    if doc + 1 != n_docs:
+        raise _changed(doc + 1, n_docs)
     return {"train_tokens": train.n_tokens, "val_tokens": val.n_tokens}
 
 
@@ -112,7 +125,7 @@ def _tokenizer(corpus: Corpus, data: DataSection, out: Path) -> tuple[Tokenizer,
     cfg = data.tokenizer
     if cfg.path is None:
         t0 = time.monotonic()
-        tok = train_tokenizer(corpus, cfg.vocab_size, cfg.min_frequency, cfg.eos_token)
+        tok = train_tokenizer(corpus.texts(), cfg.vocab_size, cfg.min_frequency, cfg.eos_token)
         seconds = time.monotonic() - t0
         tok.save(str(out))
         return tok, eos_id(tok, cfg.eos_token), seconds
@@ -126,7 +139,7 @@ def _tokenizer(corpus: Corpus, data: DataSection, out: Path) -> tuple[Tokenizer,
     except StageError as err:
         raise StageError(f"data.tokenizer.path: {path}: {err}") from None
     shutil.copyfile(path, out)
-    for _ in corpus:  # first pass only counts documents, so the split is known before tokenizing
+    for _ in corpus.pieces():  # first pass only counts documents, so the split is known before tokenizing
         pass
     return tok, eos, 0.0
 
@@ -156,7 +169,11 @@ def _check_samples(meta: dict[str, Any], data: DataSection) -> None:
 def run(ctx: StageContext) -> StageResult:
     """prepare_data: read data.inputs, train or load the tokenizer, write the train/val shards."""
     data, out = ctx.cfg.data, ctx.work_dir
-    corpus = Corpus(expand_inputs(data.inputs, data.max_files), data.text_field, data.max_file_bytes)
+    inputs = find_inputs(data.inputs, data.max_files)
+    if inputs.symlink_loops:
+        log.warning("data.inputs: %d symlink loop(s) not followed (each file is read once), e.g. %s",
+                    len(inputs.symlink_loops), inputs.symlink_loops[0])
+    corpus = Corpus(inputs.files, data.text_field, data.max_file_bytes)
     tok, eos, train_s = _tokenizer(corpus, data, out / OUTPUTS["tokenizer"])
     stats = corpus.stats  # from the first pass
     _check_corpus(stats, len(corpus.files))
@@ -169,12 +186,12 @@ def run(ctx: StageContext) -> StageResult:
     is_val = split_documents(stats.documents, data.val_fraction, ctx.cfg.run.seed)
     dtype = token_dtype(vocab)
     t0 = time.monotonic()
-    counts = tokenize_to_shards(corpus, tok, eos, is_val, out, dtype)
+    counts = tokenize_to_shards(corpus.pieces(), tok, eos, is_val, out, dtype)
     tok_s = time.monotonic() - t0
     tokens = counts["train_tokens"] + counts["val_tokens"]
 
     meta = {"vocab_size": vocab, "eos_id": eos, "eos_token": data.tokenizer.eos_token, "dtype": dtype.name,
-            "seq_len": data.seq_len, **counts,
+            "seq_len": data.seq_len, **counts, "symlink_loops": len(inputs.symlink_loops),
             "train_samples": max(0, (counts["train_tokens"] - 1) // data.seq_len),
             "val_samples": max(0, (counts["val_tokens"] - 1) // data.seq_len)}
     _check_samples(meta, data)
@@ -184,7 +201,7 @@ def run(ctx: StageContext) -> StageResult:
              meta["val_samples"], data.seq_len)
 
     metrics = {
-        **stats.to_dict(),
+        **stats.to_dict(), "symlink_loops": len(inputs.symlink_loops),
         "train_documents": int((~is_val).sum()), "val_documents": int(is_val.sum()), "tokens": tokens,
         **{k: meta[k] for k in ("train_tokens", "val_tokens", "train_samples", "val_samples",
                                 "vocab_size", "dtype")},

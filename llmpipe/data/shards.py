@@ -56,19 +56,24 @@ class ShardWriter:
         self.n_tokens = 0
         self.n_docs = 0
 
-    def add_documents(self, docs: Sequence[Sequence[int] | np.ndarray]) -> None:
-        """Append several documents (each a sequence of token ids) in one write."""
+    def add_documents(self, docs: Sequence[Sequence[int] | np.ndarray], continues: bool = False) -> None:
+        """Append several documents (each a sequence of token ids) in one write. With `continues`, the
+        first sequence is more of the document added last (a long document arrives in pieces)."""
         if not docs:
             return
+        if continues and not self.n_docs:
+            raise ValueError("continues=True, but no document was added before")
         lengths = np.fromiter((len(d) for d in docs), dtype=np.int64, count=len(docs))
         starts = self.n_tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
+        if continues:
+            starts = starts[1:]
         flat = np.concatenate([np.asarray(d, dtype=np.int64) for d in docs])
         if flat.size and (flat.min() < 0 or flat.max() > self._max_id):
             raise ValueError(f"token id out of range for {self.dtype} (min {flat.min()}, max {flat.max()})")
         self._file.write(flat.astype(self.dtype).tobytes())
         self._starts.append(starts.astype("<i8"))
         self.n_tokens += int(lengths.sum())
-        self.n_docs += len(docs)
+        self.n_docs += len(starts)
 
     def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
         """Append one document's token ids."""

@@ -7,12 +7,22 @@ ids, which follow the fixed 256-byte initial alphabet).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from llmpipe.stages import StageError
+
+# Longest piece of text handed to the tokenizer at once. Its cost is about 100 bytes per character
+# while encoding (tokens, offsets, pre-token splits) and the trainer buffers up to 256 items from the
+# iterator, so 128k characters keeps either under a few tens of MB, whatever a document's length.
+PIECE_CHARS = 1 << 17
+# A whitespace character followed by a non-space one; the last match before the budget is the cut.
+# (\S is str.isspace()'s complement, a superset of the Unicode White_Space the pre-tokenizer's \s knows,
+# so a character it calls non-space is non-space there too.)
+_LAST_CUT = re.compile(r"(?s).*[ \t\n](?=\S)")
 
 
 def new_tokenizer() -> Tokenizer:
@@ -58,3 +68,32 @@ def eos_id(tok: Tokenizer, eos_token: str) -> int:
         raise StageError(f"tokenizer has no token {eos_token!r} (data.tokenizer.eos_token); "
                          "use a tokenizer that has it or set eos_token to one of its special tokens")
     return tid
+
+
+def cut_point(text: str, start: int = 0, budget: int = PIECE_CHARS) -> int:
+    """Where to end the piece of `text` that begins at `start` (more than `budget` characters remain):
+    before a whitespace character followed by a non-space one, as late as possible in
+    [start + budget/2, start + budget); at start + budget when there is none.
+
+    NOTE: with the GPT-2 byte-level pre-tokenizer (no normalizer, no prefix space) this cut is exact:
+    its regex always starts a pre-token at the last whitespace character of a run that a non-space
+    follows (that character joins the next word: " word", or stands alone as "\\n"), none of its
+    patterns looks behind, and the only lookahead, (?!\\S), sees whitespace there in the whole text and
+    the end of string in the piece. BPE then merges inside pre-tokens only, so the pieces' ids are the
+    whole document's ids. The hard cut (no such whitespace in half a budget, e.g. minified code or
+    unspaced CJK text) splits one pre-token in two: ids near that cut differ from a whole-text encode.
+    A loaded tokenizer.json with another pre-tokenizer (e.g. SentencePiece's Metaspace, which marks the
+    start of every input) may also differ at whitespace cuts.
+    """
+    m = _LAST_CUT.match(text, start + budget // 2, start + budget + 1)
+    return m.end() - 1 if m else start + budget
+
+
+def split_text(text: str, budget: int = PIECE_CHARS) -> Iterator[str]:
+    """`text` in pieces of at most `budget` characters, cut by `cut_point` (the text itself when short)."""
+    start = 0
+    while len(text) - start > budget:
+        cut = cut_point(text, start, budget)
+        yield text[start:cut]
+        start = cut
+    yield text[start:] if start else text
