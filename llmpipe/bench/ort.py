@@ -22,6 +22,10 @@ log = logging.getLogger("llmpipe.bench")
 VARIANTS = ("fp32", "fp16", "int8")
 
 
+class ProviderUnavailable(RuntimeError):
+    """onnxruntime lists the provider but could not enable it here (its libraries or device are missing)."""
+
+
 @dataclass
 class Variant:
     """One model variant on disk, or the reason it could not be made."""
@@ -97,7 +101,8 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path) -> dict[str,
             log.info("variant %s: %s (%d bytes)", name, dst, variants[name].nbytes())
         except Exception as err:  # any converter failure is a result to report
             log.warning("variant %s could not be made: %s", name, err)
-            variants[name] = Variant(name, None, error=f"{type(err).__name__}: {err}")
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            variants[name] = Variant(name, None, error=f"{type(err).__name__}: {first}")
     return variants
 
 
@@ -113,13 +118,13 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 
 
 def create_session(path: Path, provider: OrtProvider, threads: int | None) -> ort.InferenceSession:
-    """An InferenceSession on `provider`; raises RuntimeError if onnxruntime fell back to another."""
+    """An InferenceSession on `provider`; raises ProviderUnavailable if onnxruntime fell back to another."""
     session = ort.InferenceSession(str(path), session_options(threads), providers=[provider.ort_name])
     # NOTE: onnxruntime silently falls back to the CPU provider when the requested one cannot
     # initialise (missing CUDA/CANN libraries); timing that would mislabel the row.
     active = session.get_providers()
     if not active or active[0] != provider.ort_name:
-        raise RuntimeError(f"onnxruntime did not enable {provider.ort_name} (active: {active})")
+        raise ProviderUnavailable(f"onnxruntime did not enable {provider.ort_name} (active: {active})")
     return session
 
 

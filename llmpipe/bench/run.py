@@ -23,11 +23,11 @@ import numpy as np
 import torch
 
 from llmpipe import device
-from llmpipe.bench.ort import Variant, create_session, make_variants, run_logits
+from llmpipe.bench.ort import ProviderUnavailable, Variant, create_session, make_variants, run_logits
 from llmpipe.bench.plot import latency_plot
 from llmpipe.bench.stats import latency_stats, logit_agreement, speedup, throughput
 from llmpipe.device import OrtProvider
-from llmpipe.export.onnx import check_shapes, random_ids
+from llmpipe.export.onnx import check_external_data, check_shapes, random_ids
 from llmpipe.manifest import write_json_atomic
 from llmpipe.models.llama.io import load_model, read_args
 from llmpipe.stages import StageContext, StageError, StageResult
@@ -110,12 +110,18 @@ def _error(err: BaseException) -> str:
 def measure_variant(variant: Variant, provider: OrtProvider, plan: Plan, refs: dict[Shape, np.ndarray],
                     timed: bool = True) -> list[dict]:
     """Rows for one ORT variant on one provider, one per shape. The fp32 variant fills `refs`
-    (shape -> logits); others are compared with it. A load or run failure becomes an error row."""
-    fail = lambda msg: [_row(s, provider.name, variant.name, error=msg) for s in plan.inputs] if timed else []
+    (shape -> logits); others are compared with it. A load or run failure becomes an error row,
+    untimed (the fp32 reference when fp32 is not requested) or not: the stage judges them."""
+    fail = lambda msg: [_row(s, provider.name, variant.name, error=msg) for s in plan.inputs]
     if variant.error:
         return fail(f"conversion failed: {variant.error}")
     try:
         session = create_session(variant.path, provider, plan.threads)
+    except ProviderUnavailable as err:
+        rows = fail(f"provider unavailable: {err}")
+        for r in rows:
+            r["provider_unavailable"] = True
+        return rows
     except Exception as err:  # a variant that cannot load here is a result
         return fail(f"cannot load: {_error(err)}")
     rows = []
@@ -125,8 +131,7 @@ def measure_variant(variant: Variant, provider: OrtProvider, plan: Plan, refs: d
             seconds = time_calls(call, plan.warmup, plan.iters) if timed else None
             logits = run_logits(session, ids)  # (B, T, vocab)
         except Exception as err:  # a failed run is a result too
-            if timed:
-                rows.append(_row(shape, provider.name, variant.name, error=f"run failed: {_error(err)}"))
+            rows.append(_row(shape, provider.name, variant.name, error=f"run failed: {_error(err)}"))
             continue
         if variant.name == "fp32":
             refs[shape] = logits
@@ -294,6 +299,26 @@ def summary(results: dict) -> dict[str, Any]:
     }
 
 
+def check_measured(results: dict, requested: Sequence[str], auto_providers: bool) -> None:
+    """StageError (one line) unless the benchmark measured something: the fp32 reference must run on
+    every provider (the other variants' accuracy is measured against it) and at least one requested
+    ONNX variant must have numbers. With benchmark.providers auto, a provider onnxruntime lists but
+    cannot enable here is left out with a warning instead."""
+    rows = results["rows"]
+    gone = sorted({r["provider"] for r in rows if r.get("provider_unavailable")}) if auto_providers else []
+    for name in gone:
+        log.warning("benchmark: provider %s is listed by onnxruntime but could not be enabled; not measured", name)
+    onnx_rows = [r for r in rows if r["variant"] != TORCH and r["provider"] not in gone]
+    ref = next((r for r in onnx_rows if r["variant"] == "fp32" and r["error"]), None)
+    if ref is not None:
+        raise StageError(f"benchmark: the fp32 reference failed on {ref['provider']} at {ref['batch']}x{ref['seq']}: "
+                         f"{ref['error']}")
+    if not any(r["latency_ms"] for r in onnx_rows if r["variant"] in requested):
+        first = next((f"{r['variant']}: {r['error']}" for r in onnx_rows if r["error"]), "no provider could run")
+        raise StageError(f"benchmark: no ONNX variant produced numbers (benchmark.variants: "
+                         f"{', '.join(requested)}; first error: {first})")
+
+
 def om_status(ctx: StageContext) -> str:
     """Why the OM model is (not) in the table."""
     entry = ctx.inputs.get("convert_om")
@@ -319,11 +344,13 @@ def run(ctx: StageContext) -> StageResult:
     except ValueError as err:
         raise StageError(str(err)) from None
     check_shapes(cfg.shapes, args.max_seq_len, "benchmark.shapes")
+    check_external_data(onnx_path)  # before onnxruntime or a converter opens what it points at
     variants = make_variants(onnx_path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR)
     torch_model = load_model(model_dir, dtype=torch.float32) if cfg.torch_baseline else None
     results = benchmark(variants, providers, cfg.shapes, requested=list(cfg.variants),
                         vocab_size=args.vocab_size, warmup=cfg.warmup, iters=cfg.iters, threads=cfg.threads,
                         seed=ctx.cfg.run.seed, torch_model=torch_model, root=ctx.work_dir)
+    check_measured(results, list(cfg.variants), auto_providers=cfg.providers == "auto")
     results["om"] = om_status(ctx)
     results["notes"].append(results["om"])
     write_json_atomic(ctx.work_dir / RESULTS_FILE, results)

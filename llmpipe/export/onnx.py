@@ -13,7 +13,7 @@ import logging
 import shutil
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -182,6 +182,53 @@ def decoder_parity(model: Transformer, onnx_path: Path, shapes: Sequence[Sequenc
             "top1_agreement": min(s["top1_agreement"] for s in per_shape)}
 
 
+def _tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
+    """(where, tensor) for every tensor a graph stores: initializers, sparse ones, Constant-style
+    node attributes, and the same inside subgraphs (If/Loop/Scan bodies)."""
+    for t in graph.initializer:
+        yield f"initializer {t.name!r}", t
+    for s in graph.sparse_initializer:
+        yield f"sparse initializer {s.values.name!r}", s.values
+        yield f"sparse initializer {s.values.name!r} indices", s.indices
+    for node in graph.node:
+        for a in node.attribute:
+            where = f"node {node.name or node.op_type!r} attribute {a.name!r}"
+            for t in [a.t] if a.HasField("t") else list(a.tensors):
+                yield where, t
+            for g in [a.g] if a.HasField("g") else list(a.graphs):
+                yield from _tensors(g)
+
+
+def check_external_data(path: Path, folder: Path | None = None) -> None:
+    """StageError unless every external-data `location` in the ONNX file at `path` names a file
+    inside `folder` (default: the file's own folder).
+
+    NOTE: a location is a path relative to the graph file that onnx and onnxruntime open and
+    read; one edited to '../../../../etc/passwd', an absolute path, or a link out of the folder
+    would make them read (and the fp16/int8 converters copy) a file the stage never produced.
+    """
+    path = Path(path)
+    root = (Path(folder) if folder is not None else path.parent).resolve()
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except Exception as err:  # protobuf's DecodeError and friends
+        raise StageError(f"{path}: not a readable ONNX model ({_first_line(err)})") from None
+    for where, tensor in _tensors(proto.graph):
+        entries = {e.key: e.value for e in tensor.external_data}
+        if tensor.data_location != onnx.TensorProto.EXTERNAL and not entries:
+            continue
+        location = entries.get("location", "")
+        target = (path.parent / location).resolve()
+        if not location or Path(location).is_absolute() or not target.is_relative_to(root):
+            raise StageError(f"{path}: {where} has its external data at {location!r}, outside {root}; "
+                             "refusing to read it (re-export the model)")
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
 def check_model(path: Path) -> None:
     """onnx.checker on the file: by path, so models with external data (> 2 GiB) work too."""
     onnx.checker.check_model(str(path))
@@ -232,6 +279,7 @@ def run(ctx: StageContext) -> StageResult:
     path = ctx.work_dir / MODEL_FILE
     t0 = time.perf_counter()
     files = export_prefill(model, path, cfg.opset)
+    check_external_data(path, ctx.work_dir)
     check_model(path)
     export_s = time.perf_counter() - t0
     log.info("exported %s (%d bytes) in %.1fs", path, sum(f.stat().st_size for f in files), export_s)
@@ -243,6 +291,7 @@ def run(ctx: StageContext) -> StageResult:
     worst = report["max_abs_diff"]
     if cfg.kv_cache:
         dec_files = export_decoder(model, ctx.work_dir / DECODER_FILE, cfg.opset)
+        check_external_data(ctx.work_dir / DECODER_FILE, ctx.work_dir)
         check_model(ctx.work_dir / DECODER_FILE)
         report["decoder"] = decoder_parity(model, ctx.work_dir / DECODER_FILE, cfg.parity_shapes, ctx.cfg.run.seed)
         worst = max(worst, report["decoder"]["max_abs_diff"])

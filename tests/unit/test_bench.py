@@ -214,3 +214,94 @@ def test_variants_of_a_model_with_external_data(tmp_path, monkeypatch):
         assert (tmp_path / "variants" / name / "model.onnx.data").is_file()
         session = bench_ort.create_session(made[name].path, cpu, threads=1)
         assert bench_ort.run_logits(session, ids).shape == (2, 8, model.args.vocab_size)
+
+
+# ---- what the stage refuses: external data outside the folder, nothing measured ------------
+
+def _point_external(path: Path, location: str) -> None:
+    """Point every external initializer of the ONNX file at `location` (the hostile edit)."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    for t in proto.graph.initializer:
+        for entry in t.external_data:
+            if entry.key == "location":
+                entry.value = location
+    onnx.save_model(proto, str(path))
+
+
+def _external(path: Path, location: str) -> None:
+    """Move model.onnx's tensors into model.onnx.data, then point them at `location`."""
+    import onnx
+
+    onnx.save_model(onnx.load(str(path)), str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location="model.onnx.data", size_threshold=0, convert_attribute=True)
+    _point_external(path, location)
+
+
+def test_external_data_outside_the_model_folder_is_refused(tmp_path):
+    from llmpipe.export.onnx import check_external_data
+
+    model = Transformer(FLAVORS["debug"])
+    model.init_weights(seed=0)
+    folder = tmp_path / "export"
+    folder.mkdir()
+    export_prefill(model, folder / "model.onnx", opset=17, external_data_bytes=0)
+    check_external_data(folder / "model.onnx")  # its own model.onnx.data: fine
+    (folder / "escape.data").symlink_to("/etc/passwd")
+    graph = (folder / "model.onnx").read_bytes()
+    for location in ("../../../../etc/passwd", "/etc/passwd", "escape.data"):
+        (folder / "model.onnx").write_bytes(graph)
+        _point_external(folder / "model.onnx", location)
+        with pytest.raises(StageError, match=rf"model\.onnx: initializer '.*' has its external data at "
+                                             rf"'{location}', outside {folder}; refusing to read it"):
+            check_external_data(folder / "model.onnx")
+
+
+def test_benchmark_refuses_a_model_whose_external_data_points_outside(tmp_path):
+    inputs = _inputs(tmp_path)
+    _external(tmp_path / "exported" / "model.onnx", "../../../../etc/passwd")
+    ctx = _ctx(tmp_path, inputs)
+    with pytest.raises(StageError, match=r"external data at '\.\./\.\./\.\./\.\./etc/passwd', outside"):
+        bench.run(ctx)
+    assert not (ctx.work_dir / "variants").exists() and not (ctx.work_dir / "results.json").exists()
+
+
+def test_benchmark_fails_when_the_fp32_reference_fails(tmp_path):
+    import onnx
+
+    inputs = _inputs(tmp_path)
+    path = tmp_path / "exported" / "model.onnx"
+    proto = onnx.load(str(path))
+    proto.graph.node[-1].op_type = "NoSuchOp"  # a valid file that onnxruntime cannot run
+    onnx.save_model(proto, str(path))
+    ctx = _ctx(tmp_path, inputs, variants=["fp32"], torch_baseline=False, shapes=[[1, 16]])
+    with pytest.raises(StageError, match=r"^benchmark: the fp32 reference failed on cpu at 1x16: cannot load: "):
+        bench.run(ctx)
+    assert not (ctx.work_dir / "results.json").exists()
+
+
+def test_benchmark_fails_when_no_variant_produced_numbers(tmp_path, monkeypatch):
+    from llmpipe.bench import ort as bench_ort
+
+    def broken(src, dst):
+        raise RuntimeError("converter broke\nsecond line")
+
+    monkeypatch.setattr(bench_ort, "convert_fp16", broken)
+    monkeypatch.setattr(bench_ort, "quantize_int8", broken)
+    ctx = _ctx(tmp_path, _inputs(tmp_path), variants=["fp16", "int8"], shapes=[[1, 16]])  # torch rows still measured
+    with pytest.raises(StageError) as err:
+        bench.run(ctx)
+    assert str(err.value) == ("benchmark: no ONNX variant produced numbers (benchmark.variants: fp16, int8; "
+                              "first error: fp16: conversion failed: RuntimeError: converter broke)")
+
+
+def test_a_provider_that_cannot_be_enabled_is_left_out_only_under_auto():
+    ok = bench._row((1, 4), "cpu", "fp32", [0.001])
+    gone = {**bench._row((1, 4), "cuda", "fp32", error="provider unavailable: did not enable"),
+            "provider_unavailable": True}
+    bench.check_measured({"rows": [ok, gone]}, ["fp32"], auto_providers=True)
+    with pytest.raises(StageError, match="fp32 reference failed on cuda at 1x4: provider unavailable"):
+        bench.check_measured({"rows": [ok, gone]}, ["fp32"], auto_providers=False)
+    with pytest.raises(StageError, match="no ONNX variant produced numbers"):
+        bench.check_measured({"rows": [gone]}, ["fp32"], auto_providers=True)
