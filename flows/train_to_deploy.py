@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact
 import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
 from llmpipe import report, stages
+from llmpipe.config_checks import check_before_run
 from llmpipe.lock import run_lock
 from tasks.stages import TASKS
 
@@ -30,6 +31,7 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
     overrides = list(overrides or []) + ([f"run.name={run_name}"] if run_name else [])
     cfg = config_mod.load(config, overrides)  # fail fast, before any stage, on a bad config
     selected = stages.select(from_stage, only)
+    check_before_run(cfg, selected, force or from_stage is not None, source=config)  # launch world size
     logger = get_run_logger()
     logger.info("run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
     results: dict[str, Any] = {}

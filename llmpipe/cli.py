@@ -81,7 +81,8 @@ def _overrides(args: argparse.Namespace) -> list[str]:
 
 
 def _recorded_config(run: str, artifacts_dir: str) -> config_mod.RunConfig:
-    """The config of a run as recorded by its most recently finished stage."""
+    """The config of a run as recorded by its most recently finished stage, placed at the folder asked
+    for: a copied run folder (`cp -a artifacts/base artifacts/copy2`) is copy2, not the base it records."""
     from llmpipe.manifest import Manifest
     from llmpipe.stages import stage_dir
 
@@ -93,8 +94,9 @@ def _recorded_config(run: str, artifacts_dir: str) -> config_mod.RunConfig:
         raise ConfigError(f"{run_dir}: no stage of run {run!r} has finished yet")
     latest = max(manifests, key=lambda m: m.finished_at)
     tree = latest.config
-    tree["run"]["artifacts_dir"] = artifacts_dir
-    return config_mod.from_dict(tree, source=f"{run_dir} (recorded config)")
+    tree.setdefault("run", {}).update(name=run, artifacts_dir=artifacts_dir)
+    # fields only: the recorded config passed the model checks when it ran, and status stays torch-free
+    return config_mod.from_dict(tree, source=f"{run_dir} (recorded config)", check="fields")
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -119,7 +121,10 @@ def _run_flow(args: argparse.Namespace) -> int:
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     from llmpipe.stages import select
 
-    select(args.from_stage, only)  # validates stage names
+    selected = select(args.from_stage, only)  # validates stage names
+    from llmpipe.config_checks import check_before_run  # the launch world size, before prepare_data
+
+    check_before_run(cfg, selected, args.force or args.from_stage is not None, source=args.config)
     from flows.train_to_deploy import train_to_deploy
 
     train_to_deploy(config=args.config, overrides=list(args.overrides), run_name=args.run_name,
@@ -200,6 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
+    except OSError as err:  # a full disk, a path that is a file: the path and the cause, no traceback
+        cause = err.strerror or str(err)
+        cause = cause[:1].lower() + cause[1:]
+        print(f"error: {err.filename}: {cause}" if err.filename else f"error: {cause}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

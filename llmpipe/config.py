@@ -15,6 +15,10 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 STAGES = ("prepare_data", "train", "consolidate", "export_onnx", "convert_om", "benchmark")
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+MAX_STEPS = 10_000_000
+# How far from_dict checks: the fields only (a recorded config; no torch import), or also what the
+# config tells about its model, layout and ATC shapes at any world size (the default).
+Check = Literal["fields", "model"]
 
 
 class ConfigError(ValueError):
@@ -27,7 +31,8 @@ class Section(BaseModel):
 
 class RunSection(Section):
     name: str = Field("tiny", description="Run name: the folder artifacts/<name>/ (letters, digits, . _ -).")
-    artifacts_dir: str = Field("artifacts", description="Root folder for all runs' outputs.")
+    artifacts_dir: str = Field("artifacts", description="Root folder for all runs' outputs (a folder, or "
+                               "none yet: created on the first stage).")
     device: Literal["auto", "cpu", "cuda", "npu"] = Field(
         "auto", description="Accelerator; auto picks npu > cuda > cpu.")
     seed: int = Field(1234, ge=0, description="Seed for data split, sampling order and weight init.")
@@ -235,7 +240,8 @@ class TrainSection(Section):
     nproc_per_node: int = Field(1, ge=1, le=1024, description="Processes torchrun starts on this node.")
     micro_batch_size: int = Field(8, ge=1, description="Samples per rank per forward pass.")
     grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
-    max_steps: int = Field(200, ge=1, description="Optimizer steps to train.")
+    max_steps: int = Field(200, ge=1, le=MAX_STEPS, description="Optimizer steps to train (at most 10 million: "
+                           "LLaMA-2's 2T tokens at 4M tokens per step are 500k steps, so more is a typo).")
     parallel: ParallelSection = Field(default_factory=ParallelSection)
     precision: PrecisionSection = Field(default_factory=PrecisionSection)
     optim: OptimSection = Field(default_factory=OptimSection)
@@ -333,12 +339,18 @@ class RunConfig(Section):
         return self.model_dump(mode="json")
 
 
-def _parse_value(text: str) -> Any:
-    """An override value is YAML: `3`, `1e-4`, `true`, `null`, `[1, 2]`, or a plain string."""
+def _parse_value(key: str, text: str) -> Any:
+    """An override value is YAML: `3`, `1e-4`, `true`, `null`, `[1, 2]`, or a plain string.
+
+    Text that is not valid YAML (`[1, 2`, `*.txt`, `@x`) is refused rather than taken as a string: a
+    broken list would otherwise reach the field as text and fail there with a less clear message.
+    """
     try:
         return yaml.safe_load(text)
-    except yaml.YAMLError:
-        return text
+    except yaml.YAMLError as err:
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ConfigError(f"--set {key}={text}: the value is not valid YAML ({problem}); quote a string "
+                          f"value, e.g. --set '{key}=\"{text}\"'") from None
 
 
 def apply_override(tree: dict[str, Any], assignment: str) -> None:
@@ -353,7 +365,7 @@ def apply_override(tree: dict[str, Any], assignment: str) -> None:
         if not isinstance(child, dict):
             raise ConfigError(f"--set {key}: {'.'.join(parts[:i + 1])} is not a section")
         node = child
-    node[parts[-1]] = _parse_value(value)
+    node[parts[-1]] = _parse_value(key.strip(), value)
 
 
 def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
@@ -364,20 +376,36 @@ def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
         return f"{loc}: unknown key"
     if first["type"] == "missing":
         return f"{loc}: required field is missing"
+    if loc and msg.startswith(f"{loc}."):  # a section's validator that names its own field
+        return msg
     value = first.get("input")
     shown = repr(value) if not isinstance(value, dict) else "{...}"
     return f"{loc}: {msg} (got {shown})" if loc else msg
 
 
-def from_dict(tree: dict[str, Any], source: str = "config") -> RunConfig:
+def from_dict(tree: dict[str, Any], source: str = "config", *, check: Check = "model") -> RunConfig:
+    """Validate a config tree. `check`: "fields" validates the fields (and artifacts_dir) alone; "model"
+    (the default) also what the config tells about itself at any world size: flavor, seq_len, layout
+    against the model, ATC shapes (llmpipe.config_checks; the launch world size is checked by
+    config_checks.check_before_run when a run is about to train)."""
     try:
-        return RunConfig.model_validate(tree)
+        cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(f"{source}: {_format_error(err, tree)}") from None
+    from llmpipe import config_checks  # lazily: its checks import torch, and it imports this module
+
+    try:
+        config_checks.check_artifacts_dir(cfg.run.artifacts_dir)
+        if check != "fields":
+            config_checks.check_atc(cfg)
+            config_checks.check_model(cfg)
+    except ConfigError as err:
+        raise ConfigError(f"{source}: {err}") from None
+    return cfg
 
 
-def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunConfig:
-    """Read a YAML run config, apply `key=value` overrides, and validate everything."""
+def load(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, check: Check = "model") -> RunConfig:
+    """Read a YAML run config, apply `key=value` overrides, and validate everything (see from_dict)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
@@ -391,7 +419,7 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> RunCo
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(tree).__name__}")
     for assignment in overrides:
         apply_override(tree, assignment)
-    return from_dict(tree, source=str(path))
+    return from_dict(tree, source=str(path), check=check)
 
 
 def section(cfg: RunConfig, dotted: str) -> Any:

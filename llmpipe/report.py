@@ -7,9 +7,11 @@ and the benchmark table. Written after every flow run, also when a stage failed.
 from __future__ import annotations
 
 import base64
+import contextlib
 import html
 import io
 import json
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -148,18 +150,32 @@ def markdown(cfg: RunConfig) -> str:
     return "\n".join(lines) + "\n"
 
 
+log = logging.getLogger("llmpipe.report")
+
+
 def write(cfg: RunConfig) -> Path:
-    """Write report.html into the run folder; returns its path."""
+    """Write report.html into the run folder; returns its path.
+
+    A report that cannot be written (a full disk, a read-only folder) is a warning, never an error: the
+    flow writes it in a `finally`, where an exception would hide the stage's own error."""
     run_dir = cfg.run_dir()
+    path = run_dir / REPORT
     if not run_dir.is_dir():
-        return run_dir / REPORT  # nothing ran yet: no folder is created just for a report
+        return path  # nothing ran yet: no folder is created just for a report
+    tmp = path.with_name(f".{REPORT}.tmp")
+    try:
+        tmp.write_text(_page(cfg, run_dir), encoding="utf-8")
+        tmp.replace(path)
+    except OSError as err:
+        with contextlib.suppress(OSError):  # no half-written page left behind (where it can go)
+            tmp.unlink(missing_ok=True)
+        log.warning("warning: report not written: %s: %s", err.filename or path, err.strerror or err)
+    return path
+
+
+def _page(cfg: RunConfig, run_dir: Path) -> str:
     parts = [f"<h1>llmpipe run {html.escape(cfg.run.name)}</h1>", _stage_section(cfg),
              _train_section(run_dir), _bench_section(run_dir),
              f"<h2>Config</h2><pre>{html.escape(json.dumps(cfg.to_dict(), indent=2))}</pre>"]
-    page = f"<!doctype html><html><head><meta charset='utf-8'><title>llmpipe {html.escape(cfg.run.name)}" \
+    return f"<!doctype html><html><head><meta charset='utf-8'><title>llmpipe {html.escape(cfg.run.name)}" \
            f"</title><style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n"
-    path = run_dir / REPORT
-    tmp = path.with_name(f".{REPORT}.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(path)
-    return path

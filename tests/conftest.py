@@ -17,8 +17,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 
 
-def make_cfg(tmp_path: Path, **sections) -> config_mod.RunConfig:
-    """A RunConfig for tests: debug model, tiny batches; `sections` are deep-merged overrides."""
+def make_cfg(tmp_path: Path, check: config_mod.Check = "model", **sections) -> config_mod.RunConfig:
+    """A RunConfig for tests: debug model, tiny batches; `sections` are deep-merged overrides;
+    check="fields" skips the load-time model checks (to test the later ones)."""
     tree = {
         "run": {"name": "t", "artifacts_dir": str(tmp_path / "artifacts"), "device": "cpu", "seed": 7},
         "data": {"inputs": ["unused"], "seq_len": 32, "val_fraction": 0.1},
@@ -37,7 +38,7 @@ def make_cfg(tmp_path: Path, **sections) -> config_mod.RunConfig:
             node[last] = {**node[last], **value}
         else:
             node[last] = value
-    return config_mod.from_dict(tree)
+    return config_mod.from_dict(tree, check=check)
 
 
 def synthetic_tokens(n_docs: int, vocab: int, seed: int) -> list[np.ndarray]:

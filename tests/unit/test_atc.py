@@ -283,7 +283,10 @@ def test_run_timeout_kills_atc(tmp_path, monkeypatch, python_on_path):
         atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), timeout_s=1))
 
 
-def test_run_bad_dynamic_dims_is_a_stage_error(tmp_path, python_on_path):
+def test_run_bad_dynamic_dims_is_a_stage_error(tmp_path, python_on_path, monkeypatch):
+    with pytest.raises(config.ConfigError, match="convert_om.dynamic_dims"):  # refused when the config loads
+        make_cfg(tmp_path, input_shape="input_ids:1,128", dynamic_dims="1;2")
+    monkeypatch.setattr("llmpipe.config_checks.check_atc", lambda cfg: None)  # as a fields-only config
     with pytest.raises(StageError, match="convert_om.dynamic_dims"):
         atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), input_shape="input_ids:1,128", dynamic_dims="1;2"))
 

@@ -74,8 +74,10 @@ def test_split_points_validated(points, msg):
 
 
 def test_micro_batch_must_split_into_pipeline_microbatches(tmp_path):
-    cfg = make_cfg(tmp_path, train__micro_batch_size=6,
-                   train__parallel={"pp": 2, "microbatches": 4})
+    bad = {"train__micro_batch_size": 6, "train__parallel": {"pp": 2, "microbatches": 4}}
+    with pytest.raises(ConfigError, match=r"micro_batch_size=6 does not split into microbatches=4"):
+        make_cfg(tmp_path, **bad)  # refused when the config loads; the ranks check again:
+    cfg = make_cfg(tmp_path, check="fields", **bad)
     with pytest.raises(mesh.LayoutError, match=r"micro_batch_size=6 does not split into microbatches=4"):
         mesh.validate(cfg.train.parallel, FLAVORS["debug"], 2, cfg.train.micro_batch_size)
 

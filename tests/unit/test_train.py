@@ -122,7 +122,7 @@ def test_linear_lr_scaling_against_a_reference_batch(tmp_path):
                    train__optim={"lr": 3e-4, "lr_reference_batch": 256})
     assert peak_lr(cfg, world=8) == pytest.approx(3e-4 * 256 / 256)  # 4 x 8 x dp 8 = 256
     assert peak_lr(cfg, world=2) == pytest.approx(3e-4 * 64 / 256)
-    tp = make_cfg(tmp_path, train__micro_batch_size=4, train__grad_accum_steps=8,
+    tp = make_cfg(tmp_path, "fields", train__micro_batch_size=4, train__grad_accum_steps=8,  # debug: 2 kv heads
                   train__optim={"lr": 3e-4, "lr_reference_batch": 256}, train__parallel={"tp": 4, "pp": 2})
     assert peak_lr(tp, world=64) == pytest.approx(3e-4)  # only dp = 64 / (4 x 2) multiplies the batch
     assert peak_lr(make_cfg(tmp_path, train__optim={"lr": 1e-3}), world=8) == 1e-3  # no reference: as given
