@@ -4,6 +4,8 @@ A plain file (any suffix but .jsonl) is one document, read as UTF-8. A .jsonl fi
 JSON object per line; each record's `text_field` is one document. Files that cannot be used
 (empty, binary, not UTF-8, too big, a .jsonl without one usable record) are skipped with a
 recorded reason instead of failing the stage: a web-scale crawl always holds a few of them.
+Files are checked and read as streams, and documents come out in pieces of bounded length
+(`Corpus.pieces`), so neither a huge file nor a huge single-line document fills memory.
 """
 
 from __future__ import annotations

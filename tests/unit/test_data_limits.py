@@ -178,3 +178,17 @@ def test_the_search_matches_glob_where_there_is_no_loop(tmp_path: Path, pattern:
     expected = sorted(os.path.abspath(p) for p in glob.glob(str(tmp_path / pattern), recursive=True)
                       if os.path.isfile(p))
     assert [str(p) for p in find_inputs([str(tmp_path / pattern)]).files] == expected
+
+
+def test_jsonl_records_are_read_line_by_line_and_long_ones_come_in_pieces(tmp_path: Path) -> None:
+    long_text = _varied_text(random.Random(4), 5000)
+    lines = [json.dumps({"text": "has a raw \u2028 line separator"}, ensure_ascii=False),
+             json.dumps({"text": long_text}), "{broken"]
+    (tmp_path / "d.jsonl").write_text("\ufeff" + "\n".join(lines) + "\n", encoding="utf-8")
+    corpus = Corpus([tmp_path / "d.jsonl"], piece_chars=500)
+    pieces = list(corpus.pieces())
+    assert pieces[0] == ("has a raw \u2028 line separator", True, True)  # str.splitlines would cut it
+    assert "".join(p.text for p in pieces[1:]) == long_text and len(pieces) > 20
+    assert [p.first for p in pieces[1:]].count(True) == 1 and pieces[-1].last
+    assert (corpus.stats.documents, corpus.stats.bad_lines) == (2, 1)
+    assert corpus.stats.bad_line_examples == [f"{tmp_path / 'd.jsonl'}:3: not valid JSON"]
