@@ -1,0 +1,217 @@
+"""What the config alone can tell is refused when it loads, before any stage runs; what goes wrong on
+disk (a full disk, an artifacts_dir that is a file, an unwritable report) is one line; status and
+report act on the run folder asked for, also a copied one."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from llmpipe import cli, config_checks, report
+from llmpipe import config as config_mod
+from llmpipe.config import ConfigError
+from tests.conftest import ROOT, make_cfg
+
+TINY = ROOT / "configs" / "tiny.yaml"
+RECIPE = ROOT / "configs" / "llama7b_64dev.yaml"
+ENOSPC = os.strerror(errno.ENOSPC)
+
+
+def _write_config(tmp_path: Path, **sections) -> Path:
+    """A small CPU config (4 short files, a 280-token vocabulary) whose prepare_data takes a second."""
+    corpus = tmp_path / "corpus"
+    corpus.mkdir(exist_ok=True)
+    for i in range(4):
+        (corpus / f"doc{i}.txt").write_text(f"document {i} has some words in it. " * 40)
+    tree = {"run": {"name": "base", "artifacts_dir": str(tmp_path / "artifacts")},
+            "data": {"inputs": [str(corpus / "*.txt")], "seq_len": 16, "val_fraction": 0.25,
+                     "tokenizer": {"vocab_size": 280}}, **sections}
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    return path
+
+
+def _last_error(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    return lines[-1] if lines else ""
+
+
+# -- item 14: the config alone, at load -------------------------------------------------------------
+
+LOAD_CASES = [
+    (["model.flavor=no-such-model"], "model.flavor: unknown flavor 'no-such-model' (known: debug, tiny,"),
+    (["model.n_heads=5"], "model.dim=192 is not divisible by model.n_heads=5"),
+    (["data.seq_len=2048"], "data.seq_len=2048 exceeds the model's max_seq_len=1024"),
+    (["train.parallel.tp=4"], "train.parallel: tp=4 does not divide model.n_heads=6"),
+    (["train.parallel.tp=3"], "train.parallel: tp=3 does not divide model.n_kv_heads=2"),
+    (["model.flavor=debug", "train.parallel.pp=3", "train.parallel.pp_schedule=gpipe"],
+     "train.parallel: pp=3 exceeds the model's 2 layers"),
+    (["train.parallel.pp=2", "train.parallel.split_points=[9]"],
+     "train.parallel: split_points [9] must be strictly increasing within 1..3 (the model has 4 layers)"),
+    (["train.parallel.pp=2", "train.parallel.pp_schedule=interleaved_1f1b", "train.parallel.virtual_stages=3",
+      "train.parallel.microbatches=4"], "the model's 4 layers do not divide into pp=2 x virtual_stages=3"),
+    (["train.parallel.pp=2", "train.micro_batch_size=6"],
+     "train.parallel: pp: micro_batch_size=6 does not split into microbatches=4"),
+    (["train.parallel.tp=2", "train.precision.dtype=fp16"], "train.precision.dtype=fp16 is not supported with tp/pp"),
+    (["convert_om.input_shape=1,128"], "convert_om.input_shape: '1,128' in '1,128' is not 'name:d1,d2,...'"),
+    (["convert_om.input_shape=input_ids:1,x"], "convert_om.input_shape: 'input_ids:1,x'"),
+    (["convert_om.dynamic_dims=32;64"], "convert_om.dynamic_dims ('32;64') needs -1 dims in convert_om.input_shape, "
+                                        "but 'input_ids:1,128' has none"),
+    (["convert_om.input_shape=input_ids:1,-1", "convert_om.dynamic_dims='32'"], "ATC takes 2 to 100 gears, got 1"),
+    (["train.max_steps=10000001"], "train.max_steps: Input should be less than or equal to 10000000"),
+]
+
+
+@pytest.mark.parametrize("overrides, expected", LOAD_CASES, ids=[" ".join(o) for o, _ in LOAD_CASES])
+def test_what_the_config_alone_tells_is_refused_at_load_naming_the_field(overrides, expected):
+    with pytest.raises(ConfigError) as err:
+        config_mod.load(TINY, overrides)
+    msg = str(err.value)
+    assert msg.startswith(f"{TINY}: ") and expected in msg and "\n" not in msg, msg
+
+
+@pytest.mark.parametrize("overrides", [
+    ["convert_om.input_shape=input_ids:1,-1", "convert_om.dynamic_dims=32;64;128"],
+    ["convert_om.input_shape=input_ids:1~4,-1;attention_mask:1~4,-1", "convert_om.dynamic_dims=32,32;64,64"],
+    ["train.parallel.tp=2", "train.parallel.dp=4"],  # 8 ranks: only the launch check looks at the world size
+    ["train.max_steps=10000000"],
+])
+def test_consistent_configs_load(overrides):
+    config_mod.load(TINY, overrides)
+
+
+def test_plan_and_dryrun_still_take_any_world_size(capsys):
+    cfg = config_mod.load(RECIPE)  # dp8 x tp4 x pp2 with nproc_per_node 8 and no hostfile: loads
+    assert (cfg.train.parallel.dp, cfg.train.nproc_per_node) == (8, 8)
+    assert cli.main(["plan", str(TINY), "--world-size", "8", "--set", "train.parallel.tp=2", "--json"]) == 0
+    assert '"world_size": 8' in capsys.readouterr().out
+    assert cli.main(["dryrun", str(TINY), "--world-size", "4", "--set", "train.parallel.tp=2"]) == 0
+    assert "dp 2 = 32 sequences" in capsys.readouterr().out
+
+
+def test_a_bad_flavor_through_llmpipe_run_fails_before_any_stage(tmp_path, capsys):
+    config = _write_config(tmp_path, model={"flavor": "no-such-model"})
+    assert cli.main(["run", str(config)]) == 2
+    line = _last_error(capsys)
+    assert line.startswith("error: ") and "model.flavor: unknown flavor 'no-such-model'" in line, line
+    assert not (tmp_path / "artifacts").exists()  # prepare_data never ran
+
+
+def test_a_layout_that_does_not_fit_the_launch_fails_before_prepare_data(tmp_path, capsys):
+    config = _write_config(tmp_path, train={"nproc_per_node": 2, "parallel": {"tp": 2, "dp": 2}})
+    assert cli.main(["run", str(config)]) == 2
+    line = _last_error(capsys)
+    assert line == (f"error: {config}: train.parallel: dp=2 x tp=2 x pp=1 = 4, but world size is 2 "
+                    "(world size 2 = nproc_per_node 2 x 1 node(s))"), line
+    assert not (tmp_path / "artifacts" / "base" / "01_prepare_data").exists()
+
+
+def test_the_launch_check_counts_the_hostfile_and_waits_when_it_is_absent(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
+    cfg = make_cfg(tmp_path, train__nproc_per_node=2, train__hostfile=str(hostfile))
+    assert config_checks.launch_world(cfg) == (4, 2)
+    config_checks.check_launch(cfg)  # dp inferred: 4 / (1 x 1)
+    gone = make_cfg(tmp_path, train__hostfile=str(tmp_path / "elsewhere"), train__parallel={"dp": 64})
+    assert config_checks.launch_world(gone) is None
+    config_checks.check_launch(gone)  # not readable here: the train stage names it when it runs
+
+
+def test_the_launch_check_applies_only_to_a_run_that_will_train(tmp_path, monkeypatch):
+    cfg = make_cfg(tmp_path, train__nproc_per_node=1, train__parallel={"dp": 8})
+    config_checks.check_before_run(cfg, ["export_onnx", "benchmark"], force=False)  # no training
+    with pytest.raises(ConfigError, match=r"^x.yaml: train.parallel: dp=8 x tp=1 x pp=1 = 8, but world size is 1"):
+        config_checks.check_before_run(cfg, ["prepare_data", "train"], force=False, source="x.yaml")
+    # trained already (on a cluster, say): a later run elsewhere goes on without the launch settings
+    monkeypatch.setattr("llmpipe.stages.state", lambda cfg, name, fp, full: ("done", None))
+    config_checks.check_before_run(cfg, ["prepare_data", "train", "consolidate"], force=False)
+    with pytest.raises(ConfigError, match="but world size is 1"):
+        config_checks.check_before_run(cfg, ["train"], force=True)
+
+
+def test_set_value_that_is_not_yaml_is_refused_not_taken_as_text():
+    for value in ("[1, 2", "*.txt"):
+        with pytest.raises(ConfigError) as err:
+            config_mod.load(TINY, [f"data.inputs={value}"])
+        msg = str(err.value)
+        assert msg.startswith(f"--set data.inputs={value}: the value is not valid YAML (") and "quote" in msg, msg
+    cfg = config_mod.load(TINY, ["data.text_field=\"*body\"", "convert_om.input_shape=input_ids:1,128"])
+    assert cfg.data.text_field == "*body"  # quoted: the string itself
+
+
+# -- item 8: one line for what goes wrong on disk ----------------------------------------------------
+
+@pytest.mark.parametrize("sub", ["", "/runs"])
+def test_artifacts_dir_that_is_a_file_is_one_line_naming_it(tmp_path, capsys, sub):
+    config = _write_config(tmp_path)
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    code = cli.main(["stage", "prepare_data", str(config), "--set", f"run.artifacts_dir={blocker}{sub}"])
+    line = _last_error(capsys)
+    assert code == 2 and line.startswith(f"error: {config}: run.artifacts_dir: '{blocker}{sub}' is not a folder"), line
+    assert line.endswith(f"({blocker} is a file)") == bool(sub), line
+
+
+def test_a_full_disk_during_a_stage_is_one_line_with_the_path_and_no_output(tmp_path, capsys, monkeypatch):
+    from llmpipe.data import shards
+
+    def full(self, *args, **kwargs):
+        raise OSError(errno.ENOSPC, ENOSPC, str(self.bin_path))
+
+    monkeypatch.setattr(shards.ShardWriter, "add_documents", full)
+    config = _write_config(tmp_path)
+    assert cli.main(["stage", "prepare_data", str(config)]) == 1
+    line = _last_error(capsys)
+    assert line.startswith("error: ") and line.endswith(".bin: no space left on device"), line
+    assert not (tmp_path / "artifacts" / "base" / "01_prepare_data").exists()  # nothing published
+
+
+def test_an_os_error_without_a_path_is_still_one_line(tmp_path, capsys, monkeypatch):
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, ENOSPC)  # what a plain file.write() on a full disk raises
+
+    monkeypatch.setattr("llmpipe.stages.run_stage", full)
+    assert cli.main(["stage", "prepare_data", str(_write_config(tmp_path))]) == 1
+    assert _last_error(capsys) == "error: no space left on device"
+
+
+def test_a_report_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path, caplog):
+    cfg = make_cfg(tmp_path)
+    cfg.run_dir().mkdir(parents=True)
+    tmp = cfg.run_dir() / f".{report.REPORT}.tmp"
+    tmp.symlink_to("/dev/full")  # every write there fails with ENOSPC, as on a full disk
+    with caplog.at_level(logging.WARNING, logger="llmpipe.report"):
+        path = report.write(cfg)  # no exception: the flow calls this in a finally
+    assert path == cfg.run_dir() / report.REPORT and not path.exists() and not os.path.lexists(tmp)
+    assert "report not written" in caplog.text and ENOSPC in caplog.text, caplog.text
+
+
+# -- item 12: status and report on a copied run ------------------------------------------------------
+
+def test_status_and_report_on_a_copied_run_act_on_the_copy(tmp_path, capsys):
+    config = _write_config(tmp_path)
+    assert cli.main(["stage", "prepare_data", str(config)]) == 0
+    artifacts = tmp_path / "artifacts"
+    shutil.copytree(artifacts / "base", artifacts / "copy2", symlinks=True)  # cp -a
+    base_report = artifacts / "base" / report.REPORT
+    before = (base_report.read_bytes(), base_report.stat().st_mtime_ns)
+    capsys.readouterr()
+
+    assert cli.main(["status", "copy2", "--artifacts-dir", str(artifacts)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == f"run copy2: {(artifacts / 'copy2').resolve()}", out
+    assert "prepare_data   done" in out, out
+
+    assert cli.main(["report", "copy2", "--artifacts-dir", str(artifacts)]) == 0
+    written = artifacts / "copy2" / report.REPORT
+    assert f"report: {written.resolve()}" in capsys.readouterr().out
+    assert "<h1>llmpipe run copy2</h1>" in written.read_text()
+    assert (base_report.read_bytes(), base_report.stat().st_mtime_ns) == before  # the original untouched
