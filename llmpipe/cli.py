@@ -207,9 +207,20 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except OSError as err:  # a full disk, a path that is a file: the path and the cause, no traceback
         cause = err.strerror or str(err)
-        cause = cause[:1].lower() + cause[1:]
-        print(f"error: {err.filename}: {cause}" if err.filename else f"error: {cause}", file=sys.stderr)
+        where = err.filename or _written_under(args)
+        print(f"error: {where + ': ' if where else ''}{cause[:1].lower() + cause[1:]}", file=sys.stderr)
         return 1
+
+
+def _written_under(args: argparse.Namespace) -> str | None:
+    """The run folder a failed run/stage command writes under: a plain write() on a full disk raises an
+    OSError that names no file, and the folder at least names the disk."""
+    if args.command not in ("run", "stage"):
+        return None
+    try:
+        return str(config_mod.load(args.config, _overrides(args), check="fields").run_dir())
+    except (ConfigError, OSError):
+        return None
 
 
 if __name__ == "__main__":

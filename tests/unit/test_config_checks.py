@@ -174,13 +174,13 @@ def test_a_full_disk_during_a_stage_is_one_line_with_the_path_and_no_output(tmp_
     assert not (tmp_path / "artifacts" / "base" / "01_prepare_data").exists()  # nothing published
 
 
-def test_an_os_error_without_a_path_is_still_one_line(tmp_path, capsys, monkeypatch):
+def test_an_os_error_without_a_path_names_the_run_folder(tmp_path, capsys, monkeypatch):
     def full(*args, **kwargs):
         raise OSError(errno.ENOSPC, ENOSPC)  # what a plain file.write() on a full disk raises
 
     monkeypatch.setattr("llmpipe.stages.run_stage", full)
-    assert cli.main(["stage", "prepare_data", str(_write_config(tmp_path))]) == 1
-    assert _last_error(capsys) == "error: no space left on device"
+    assert cli.main(["stage", "prepare_data", str(_write_config(tmp_path)), "--run-name", "r2"]) == 1
+    assert _last_error(capsys) == f"error: {(tmp_path / 'artifacts' / 'r2').resolve()}: no space left on device"
 
 
 def test_a_report_that_cannot_be_written_is_a_warning_and_leaves_nothing(tmp_path, caplog):
