@@ -1,7 +1,8 @@
 """Typed run configuration: YAML -> validated tree, with `--set a.b=c` overrides.
 
 Every section is a pydantic model that forbids unknown keys. `load(path, overrides)` returns a
-`RunConfig`; any problem raises `ConfigError` whose message names the field and the bad value.
+`RunConfig`; any problem raises `ConfigError` whose message names the field and the bad value. After
+the fields, llmpipe.config_checks checks what they say together (the model, the layout, ATC shapes).
 """
 
 from __future__ import annotations
@@ -376,8 +377,6 @@ def _format_error(err: ValidationError, tree: dict[str, Any]) -> str:
         return f"{loc}: unknown key"
     if first["type"] == "missing":
         return f"{loc}: required field is missing"
-    if loc and msg.startswith(f"{loc}."):  # a section's validator that names its own field
-        return msg
     value = first.get("input")
     shown = repr(value) if not isinstance(value, dict) else "{...}"
     return f"{loc}: {msg} (got {shown})" if loc else msg
