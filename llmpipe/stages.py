@@ -15,6 +15,7 @@ digest cache) before a stage reads them: a corrupted input stops the stage with 
 
 from __future__ import annotations
 
+import errno
 import importlib
 import logging
 import os
@@ -274,6 +275,9 @@ def _injected_failure(name: str) -> None:
         raise StageError(f"{name}: failure injected by LLMPIPE_FAIL_STAGE (a test hook)")
 
 
+_STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
+
+
 def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
              inputs: dict[str, tuple[Path, Manifest]]) -> Manifest:
     name, run_dir = spec.name, cfg.run_dir()
@@ -286,12 +290,16 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
     try:
         _injected_failure(name)
         result: StageResult = _resolve(spec.entry)(ctx)
-    except BaseException:
+    except BaseException as exc:
         # Nothing half-written stays behind, except a resumable stage's partial folder (training
         # checkpoints), which the next attempt with the same fingerprint continues from.
         # A resumable stage that failed before writing anything leaves nothing either.
         if not spec.resumable or not any(p.name != ".fingerprint" for p in partial.iterdir()):
             shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in _STORAGE_ERRNOS:
+            # A full disk, a quota or a read-only mount is the user's to fix: one line naming where.
+            where = exc.filename or partial
+            raise StageError(f"{name}: {where}: {os.strerror(exc.errno).lower()}") from exc
         raise
 
     (partial / ".fingerprint").unlink(missing_ok=True)

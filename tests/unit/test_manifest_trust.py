@@ -180,3 +180,16 @@ def test_only_a_stage_that_may_skip_can_be_skipped(prepared):
     _edit_manifest(folder, status="skipped", reason="why not", outputs={})
     assert stages.state(cfg, "prepare_data")[0].endswith("status is skipped, but prepare_data is never skipped")
     shutil.rmtree(folder)
+
+
+def test_a_full_disk_during_a_stage_is_one_line_naming_the_stage_folder(tmp_path, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a plain write() raises it: no filename
+
+    cfg = _cfg(tmp_path)
+    monkeypatch.setattr(stages, "_injected_failure", lambda name: full())
+    with pytest.raises(stages.StageError, match=r"prepare_data: .*\.01_prepare_data\.partial: no space left on device"):
+        stages.run_stage("prepare_data", cfg)
+    assert not stages.stage_dir(cfg.run_dir(), "prepare_data").exists()
