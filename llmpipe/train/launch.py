@@ -17,6 +17,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+TORCHRUN_LOGS = "torchrun-logs"  # under the train stage's folder
+
 
 def torchrun_argv(nproc_per_node: int, config_path: Path, data_dir: Path, out_dir: Path,
                   python: str = sys.executable, nnodes: int = 1, node_rank: int = 0,
@@ -29,8 +31,11 @@ def torchrun_argv(nproc_per_node: int, config_path: Path, data_dir: Path, out_di
         argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
                  f"--master-addr={master_addr}", f"--master-port={master_port}"]
     # --monitor-interval=1: notice a dead rank within a second and stop the others (default 5 s).
+    # --log-dir: torchrun's per-attempt folder (rank error files) kept with the run as evidence,
+    # instead of a /tmp/torchelastic_* folder per run that nothing ever removes.
     argv += [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=1",
-             "-m", "llmpipe.train.main", "--config", str(config_path), "--data", str(data_dir),
+             f"--log-dir={Path(out_dir) / TORCHRUN_LOGS}", "-m", "llmpipe.train.main",
+             "--config", str(config_path), "--data", str(data_dir),
              "--out", str(out_dir)]
     return argv
 

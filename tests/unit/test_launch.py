@@ -15,8 +15,21 @@ from llmpipe.train.launch import run_streaming, torchrun_argv
 def test_torchrun_argv_single_node():
     argv = torchrun_argv(2, Path("c.yaml"), Path("data"), Path("out"), python="py")
     assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-                    "--max-restarts=0", "--monitor-interval=1", "-m", "llmpipe.train.main", "--config", "c.yaml",
-                    "--data", "data", "--out", "out"]
+                    "--max-restarts=0", "--monitor-interval=1", "--log-dir=out/torchrun-logs", "-m",
+                    "llmpipe.train.main", "--config", "c.yaml", "--data", "data", "--out", "out"]
+
+
+def test_a_training_run_leaves_no_temporary_folder_behind(tmp_path, data_dir, monkeypatch):
+    from tests.conftest import make_cfg, torchrun
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp))  # where torchrun would put its torchelastic_* folder
+    cfg = make_cfg(tmp_path, train={"max_steps": 1, "checkpoint": {"every_steps": 1}, "eval": {"every_steps": 1}})
+    code, text = torchrun(cfg, data_dir, tmp_path / "out", nproc=1)
+    assert code == 0, text[-2000:]
+    assert [p.name for p in tmp.iterdir() if p.name.startswith("torchelastic_")] == []
+    assert (tmp_path / "out" / "torchrun-logs").is_dir()  # its logs stay with the run instead
 
 
 def test_torchrun_argv_multi_node():
