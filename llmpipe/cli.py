@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     common(run)
     run.add_argument("--from-stage", choices=STAGES, help="re-run this stage and every later one")
     run.add_argument("--only", help="comma-separated stages to run, e.g. export_onnx,benchmark")
+    run.add_argument("--verbose", action="store_true",
+                     help="also print Prefect's tracebacks of a failed stage (always in the Prefect log)")
 
     stage = sub.add_parser("stage", help="run one stage without Prefect")
     stage.add_argument("stage", choices=STAGES)
@@ -127,6 +129,10 @@ def _run_flow(args: argparse.Namespace) -> int:
     check_before_run(cfg, selected, args.force or args.from_stage is not None, source=args.config)
     from flows.train_to_deploy import train_to_deploy
 
+    if not args.verbose:
+        from flows.console import quiet_engine_failures
+
+        quiet_engine_failures()  # the one `error:` line instead of Prefect's tracebacks
     train_to_deploy(config=args.config, overrides=list(args.overrides), run_name=args.run_name,
                     from_stage=args.from_stage, only=only, force=args.force)
     print(f"report: {cfg.run_dir() / 'report.html'}")
