@@ -17,14 +17,15 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from llmpipe import device as dev
 from llmpipe.checkpoint.stream import write_streaming
+from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama import io as model_io
 
 DCP_DIR = "dcp"  # the subfolder of a checkpoint folder (format "dcp") holding the DCP files
 MODEL_PREFIX = "model."  # FSDPStrategy saves {"model": ..., "optim": ...}; DCP flattens keys with "."
 
 
-class _Reader(FileSystemReader):
-    """A FileSystemReader that reads .metadata once, not once per tensor loaded."""
+class _Reader(SafeReader):
+    """A SafeReader (restricted unpickler) that reads .metadata once, not once per tensor loaded."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from llmpipe.checkpoint import trust
 from llmpipe.manifest import sha256_file
 
 log = logging.getLogger("llmpipe.checkpoint")
@@ -55,20 +56,28 @@ def save(root: Path, step: int, write: Callable[[Path], None], meta: dict[str, A
 
 
 def verify(folder: Path) -> str | None:
-    """None when the checkpoint is complete and every file matches its sha256; else the problem."""
-    meta_path = Path(folder) / META
+    """None when the checkpoint is complete, holds exactly the files meta.json lists, every file
+    matches its sha256 and nothing in it would run code when loaded (trust.check); else the problem."""
+    folder = Path(folder)
+    meta_path = folder / META
     try:
         meta = json.loads(meta_path.read_text())
         files = meta["files"]
-    except (OSError, ValueError, KeyError):
+        assert isinstance(files, dict)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError):
         return f"{meta_path} missing or unreadable"
+    if not files:
+        return f"{meta_path} lists no files"
+    present = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {META}
+    for name in sorted(present - set(files)):
+        return f"{folder / name} is not listed in {META}"
     for name, digest in files.items():
-        p = Path(folder) / name
+        p = folder / name
         if not p.is_file():
             return f"{p} missing"
         if sha256_file(p) != digest:
             return f"{p} does not match its sha256 (corrupted or partially written)"
-    return None
+    return trust.check(folder)
 
 
 def list_steps(root: Path) -> list[Path]:

@@ -27,6 +27,7 @@ from torch.distributed.tensor import DTensor
 
 from llmpipe import device as dev
 from llmpipe.checkpoint.dcp import DCP_DIR
+from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama.parallelize import apply_fsdp
 from llmpipe.parallel.base import TorchOptimizerStrategy
 from llmpipe.train.loop import build_optimizer
@@ -123,7 +124,7 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         state = self._state()  # the shapes and shardings to load into (initialises Adam's states)
-        dcp.load(state, checkpoint_id=Path(folder) / DCP_DIR)
+        dcp.load(state, storage_reader=SafeReader(Path(folder) / DCP_DIR))  # no pickle.load of .metadata
         set_model_state_dict(self.model, state["model"])
         set_optimizer_state_dict(self.model, self.opt, state["optim"])
         trainer = torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)

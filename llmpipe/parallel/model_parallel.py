@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from llmpipe.checkpoint.dcp import DCP_DIR
+from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama.model import ModelArgs, Transformer
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
 from llmpipe.parallel import mesh as mesh_mod
@@ -235,7 +236,7 @@ class ModelParallelStrategy(Strategy):
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         state = self._state()  # the shapes and shardings to load into (initialises Adam's states)
-        dcp.load(state, checkpoint_id=Path(folder) / DCP_DIR)
+        dcp.load(state, storage_reader=SafeReader(Path(folder) / DCP_DIR))  # no pickle.load of .metadata
         for part, opt in zip(self.parts, self.opts):
             names = set(get_model_state_dict(part))
             set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
