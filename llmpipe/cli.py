@@ -121,7 +121,7 @@ def _status(args: argparse.Namespace) -> int:
 def _run_flow(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config, _overrides(args))  # one clear line before Prefect starts
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
-    from llmpipe.stages import select
+    from llmpipe.stages import StageError, select
 
     selected = select(args.from_stage, only)  # validates stage names
     from llmpipe.config_checks import check_before_run  # the launch world size, before prepare_data
@@ -133,8 +133,15 @@ def _run_flow(args: argparse.Namespace) -> int:
         from flows.console import quiet_engine_failures
 
         quiet_engine_failures()  # the one `error:` line instead of Prefect's tracebacks
-    train_to_deploy(config=args.config, overrides=list(args.overrides), run_name=args.run_name,
-                    from_stage=args.from_stage, only=only, force=args.force)
+    from flows.local_server import ServerError, prefect_api
+
+    try:
+        # a server of our own (unless PREFECT_API_URL names one) that dies with this process
+        with prefect_api():
+            train_to_deploy(config=args.config, overrides=list(args.overrides), run_name=args.run_name,
+                            from_stage=args.from_stage, only=only, force=args.force)
+    except ServerError as err:
+        raise StageError(str(err)) from None
     print(f"report: {cfg.run_dir() / 'report.html'}")
     return 0
 
