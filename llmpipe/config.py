@@ -200,7 +200,11 @@ class CheckpointSection(Section):
 
 class EvalSection(Section):
     every_steps: int = Field(50, ge=1, description="Validation every N steps (and at the start and end).")
-    batches: int = Field(8, ge=1, description="Validation micro-batches per rank.")
+    samples: int | None = Field(None, ge=1, description="The validation set: the first N sequences of the val "
+                             "shard (all of it when smaller), the same under every layout, split across the "
+                             "data-parallel ranks; null: batches x micro_batch_size.")
+    batches: int = Field(8, ge=1, description="With samples null, the validation set is batches x "
+                      "micro_batch_size sequences in total (not per rank).")
 
 
 class ProfileSection(Section):

@@ -16,6 +16,11 @@ import torch.nn.functional as F
 from torch import nn
 
 
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of per-token cross-entropies in fp64 (targets -100 count 0): (B, T, vocab), (B, T) -> ()."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="none").double().sum()
+
+
 class Strategy:
     """Base class. Subclasses set `format` (the checkpoint format consolidate reads) and `module`."""
 
@@ -41,8 +46,6 @@ class Strategy:
     def data_world(self) -> int:
         return self.env.world
 
-    eval_batch_fixed = False  # True where every forward must see a full micro-batch (pipeline shapes)
-
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         """One micro-batch: forward, mean token cross-entropy, backward. Returns the detached loss, or
         None on a rank that does not see it (an early pipeline stage)."""
@@ -52,11 +55,12 @@ class Strategy:
         self.backward(loss)
         return loss.detach()
 
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """Mean token cross-entropy of one batch without gradients (None where not seen)."""
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+        """Summed token cross-entropy of one batch (fp64; targets -100 left out), without gradients;
+        None where not seen."""
         with torch.no_grad(), self.forward_context():
             logits = self.module(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return token_loss_sum(logits, y)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Back-propagate one micro-batch's mean loss (the strategy divides by accumulation)."""

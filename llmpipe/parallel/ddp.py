@@ -62,6 +62,7 @@ class DDPStrategy(TorchOptimizerStrategy):
         torch.save(self.opt.state_dict(), folder / OPTIM)
         torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
                     "scaler": self.scaler.state_dict() if self.scaler is not None else None}, folder / TRAINER)
+        return [folder / MODEL, folder / OPTIM, folder / TRAINER]
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         device = self.env.device

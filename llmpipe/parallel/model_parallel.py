@@ -39,7 +39,7 @@ from llmpipe.models.llama.model import ModelArgs, Transformer
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
 from llmpipe.parallel import mesh as mesh_mod
 from llmpipe.parallel import pipeline, tensor_parallel
-from llmpipe.parallel.base import Strategy
+from llmpipe.parallel.base import Strategy, token_loss_sum
 from llmpipe.parallel.fsdp import mixed_precision
 from llmpipe.train.schedule import lr_factor, peak_lr, warmup_steps
 
@@ -70,8 +70,11 @@ class _StageLoss:
 
     def __init__(self, divisor: int):
         self.divisor = divisor
+        self.summed = False  # evaluation: the summed token losses instead (targets -100 left out)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.summed:
+            return token_loss_sum(logits, targets)
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.divisor
 
 
@@ -103,8 +106,9 @@ class ModelParallelStrategy(Strategy):
             stages = pipeline.make_stages(self.parts, self.stage_ids, n_stages, env.device,
                                           group=self.mesh["pp"].get_group())
             self.loss_divisor = par.microbatches * self.accum
+            self.stage_loss = _StageLoss(self.loss_divisor)
             self.schedule = pipeline.make_schedule(par.pp_schedule, stages, par.microbatches,
-                                                   loss_fn=_StageLoss(self.loss_divisor), scale_grads=False)
+                                                   loss_fn=self.stage_loss, scale_grads=False)
         if env.main:
             log.info("layout dp=%d x tp=%d x pp=%d (%s, data=%s): rank 0 holds stage(s) %s, %s local parameters",
                      self.dims.dp, self.dims.tp, self.dims.pp, par.pp_schedule if self.dims.pp > 1 else "no pipeline",
@@ -178,16 +182,16 @@ class ModelParallelStrategy(Strategy):
         return torch.stack(losses).sum().detach() * self.accum if self.has_loss else None
 
     @torch.no_grad()
-    def eval_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         if self.schedule is None:
-            return F.cross_entropy(self.parts[0](x).float().flatten(0, 1), y.flatten())
+            return token_loss_sum(self.parts[0](x), y)
         losses: list[torch.Tensor] = []
-        self.schedule.eval(x, target=y, losses=losses if self.has_loss else None)
-        return torch.stack(losses).sum() * self.accum if self.has_loss else None
-
-    @property
-    def eval_batch_fixed(self) -> bool:
-        return self.schedule is not None  # pipeline shapes are fixed at the first step
+        self.stage_loss.summed = True  # per pipeline micro-batch: summed token losses
+        try:
+            self.schedule.eval(x, target=y, losses=losses if self.has_loss else None)
+        finally:
+            self.stage_loss.summed = False
+        return torch.stack(losses).sum() if self.has_loss else None
 
     def params(self) -> list[nn.Parameter]:
         return [p for part in self.parts for p in part.parameters()]

@@ -100,29 +100,45 @@ def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.d
     return t[:, :-1], t[:, 1:]  # inputs (B, T), targets (B, T)
 
 
+IGNORE = -100  # a target F.cross_entropy leaves out: the padding of the last validation batches
+
+
+def eval_indices(n: int, data_world: int, data_rank: int, mb: int) -> tuple[np.ndarray, np.ndarray]:
+    """This data-parallel rank's share of validation samples 0..n-1 (every data_world-th), padded to
+    whole micro-batches of `mb` so that every rank runs the same number of equal forwards (pipelines
+    and FSDP need that): (sample indices, real mask). Padding repeats sample 0 and is masked out."""
+    per_rank = -(-n // data_world)  # ceil
+    slots = -(-per_rank // mb) * mb
+    mine = np.arange(data_rank, n, data_world)
+    real = np.zeros(slots, dtype=bool)
+    real[:len(mine)] = True
+    return np.concatenate([mine, np.zeros(slots - len(mine), dtype=mine.dtype)]), real
+
+
 @torch.no_grad()
 def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
-    """Mean validation loss over the same fixed samples every time, split across data-parallel ranks."""
+    """Mean token loss over a fixed validation set (train.eval.samples, or batches x micro_batch_size:
+    the first sequences of the val shard), whatever the layout: split across the data-parallel ranks,
+    summed per token and divided by the tokens counted, so any split gives the same value up to
+    summation order."""
     model = strategy.module
     model.eval()
-    mb, T = cfg.train.micro_batch_size, cfg.data.seq_len
-    dp, rank = strategy.data_world, strategy.data_rank
-    n = min(shard.num_samples(T), cfg.train.eval.batches * mb * dp)
-    if strategy.eval_batch_fixed:  # a pipeline runs whole micro-batches only
-        n -= n % (mb * dp)
-        if n == 0:
-            raise ValueError(f"validation shard holds {shard.num_samples(T)} samples of seq_len {T}, fewer than "
-                             f"one micro-batch per data-parallel rank ({mb} x dp={dp})")
-    mine = np.arange(rank, n, dp)
-    total = torch.zeros(2, device=env.device, dtype=torch.float64)
-    for i in range(0, len(mine), mb):
-        x, y = _batch(shard, mine[i:i + mb], T, env.device)
-        loss = strategy.eval_loss(x, y)
-        if loss is not None:
-            total[0] += loss.double() * len(x)
-            total[1] += len(x)
+    mb, T, e = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.train.eval
+    n = min(shard.num_samples(T), e.samples or e.batches * mb)
+    if n == 0:
+        raise ValueError(f"the validation shard holds no sample of seq_len {T}")
+    indices, real = eval_indices(n, strategy.data_world, strategy.data_rank, mb)
+    total = torch.zeros(2, device=env.device, dtype=torch.float64)  # (sum of token losses, tokens)
+    for i in range(0, len(indices), mb):
+        x, y = _batch(shard, indices[i:i + mb], T, env.device)
+        y = y.clone()  # a view of the same rows as x
+        y[torch.from_numpy(~real[i:i + mb]).to(y.device)] = IGNORE
+        loss_sum = strategy.eval_loss_sum(x, y)
+        if loss_sum is not None:  # None on a pipeline stage without the loss
+            total[0] += loss_sum.double()
+            total[1] += int((y != IGNORE).sum())
     if env.world > 1:
-        dist.all_reduce(total)
+        dist.all_reduce(total)  # tp ranks count the same samples alike: the mean is unchanged
     model.train()
     return float(total[0] / total[1].clamp(min=1))
 

@@ -4,7 +4,8 @@ Per-step losses, resume exactness, consolidated weights; then tp2 x pp2 through 
 train -> consolidate -> export_onnx -> benchmark.
 
 Every layout trains the same global batch: 16 samples a step (micro 8 x accum 2 on one data-parallel
-rank, micro 4 x accum 2 x dp 2), 4 steps of a 4-layer debug model, checkpoints at steps 2 and 4.
+rank, micro 4 x accum 2 x dp 2), 4 steps of a 4-layer debug model, checkpoints at steps 2 and 4, and
+evaluates the same 13 validation samples (an odd count: split unevenly, padded to whole micro-batches).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from llmpipe.checkpoint import io as ckpt
 from llmpipe.checkpoint.consolidate import CONSOLIDATORS
 from llmpipe.config import from_dict
 from llmpipe.stages import run_stage
+from llmpipe.train import metrics
 from tests.conftest import cached_runs, make_cfg
 from tests.conftest import losses as _losses
 from tests.conftest import torchrun as _torchrun
@@ -29,7 +31,7 @@ pytestmark = pytest.mark.slow
 
 STEPS = 4
 BASE = {"model": {"flavor": "debug", "n_layers": 4}, "train__grad_accum_steps": 2, "train__max_steps": STEPS,
-        "train__checkpoint": {"every_steps": 2}, "train__eval": {"every_steps": 2, "batches": 2}}
+        "train__checkpoint": {"every_steps": 2}, "train__eval": {"every_steps": 2, "samples": 13}}
 # name -> (processes, config sections)
 LAYOUTS = {
     "tp2": (2, {"train__micro_batch_size": 8, "train__parallel": {"tp": 2}}),
@@ -81,6 +83,25 @@ def test_losses_match_one_process(runs, layout):
     assert abs(summary["val_loss"] - ref_summary["val_loss"]) < 1e-5
     assert summary["global_batch"] == ref_summary["global_batch"] == 16
     assert ckpt.read_meta(ckpt.step_dir(out / "checkpoints", STEPS))["format"] == "dcp"
+
+
+def _evals(out: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["val_loss"]) for r in metrics.read(out / "metrics.jsonl") if "val_loss" in r]
+
+
+def test_val_loss_is_the_same_under_every_layout(runs):
+    """The 13 validation samples are split 7/6 over two DDP ranks (each padded to two micro-batches of
+    4), and evaluated whole by tp2 and pp2 (padded to two pipeline batches of 8): the same val loss at
+    every evaluation (steps 0, 2, 4) as one process."""
+    want = _evals(_reference(runs))
+    assert [s for s, _ in want] == [0, 2, STEPS]
+    outs = {"dp2": runs("dp2", nproc=2, train__micro_batch_size=4),  # DDP: micro 4 x accum 2 x dp 2
+            "tp2": _layout(runs, "tp2"), "pp2": _layout(runs, "pp2-1f1b")}
+    for name, out in outs.items():
+        got = _evals(out)
+        assert [s for s, _ in got] == [s for s, _ in want], name
+        torch.testing.assert_close(torch.tensor([v for _, v in got], dtype=torch.float64),
+                                   torch.tensor([v for _, v in want], dtype=torch.float64), **LOSS_TOL, msg=name)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
