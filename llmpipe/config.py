@@ -196,6 +196,9 @@ class CheckpointSection(Section):
     keep_last: int = Field(3, ge=1, description="Checkpoints kept; older ones are removed.")
     resume: bool | Literal["auto"] | str = Field("auto", description="auto: newest valid checkpoint of this "
                                                  "stage; false: start over; a path: that checkpoint.")
+    async_save: bool = Field(False, description="Write checkpoints in the background (DCP async_save, format "
+                          "dcp: data=fsdp or tp/pp > 1); the step loop waits only while the state is copied. "
+                          "Other formats save synchronously (with a log line).")
 
 
 class EvalSection(Section):

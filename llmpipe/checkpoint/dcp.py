@@ -16,12 +16,31 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from llmpipe import device as dev
+from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama import io as model_io
 
 DCP_DIR = "dcp"  # the subfolder of a checkpoint folder (format "dcp") holding the DCP files
 MODEL_PREFIX = "model."  # FSDPStrategy saves {"model": ..., "optim": ...}; DCP flattens keys with "."
+
+
+def save_state(state: dict, folder: Path, rank: int, asynchronous: bool = False, group=None) -> Written:
+    """DCP-save `state` into folder/dcp (every rank); with `asynchronous`, DCP's async_save on `group`
+    (the state is staged to CPU before this returns, written in a background thread). The files
+    this rank writes: DCP names them __<rank>_<n>.distcp; rank 0 (the coordinator) adds .metadata.
+    A file that naming misses is hashed by rank 0 (io.Saver), so nothing goes unlisted."""
+    target = Path(folder) / DCP_DIR
+    pending = None
+    if asynchronous:
+        pending = dcp.async_save(state, checkpoint_id=target, process_group=group)
+    else:
+        dcp.save(state, checkpoint_id=target)
+
+    def claims() -> list[Path]:
+        return sorted(target.glob(f"__{rank}_*.distcp")) + ([target / ".metadata"] if rank == 0 else [])
+
+    return Written(claims, pending)
 
 
 class _Reader(SafeReader):

@@ -76,8 +76,9 @@ class Strategy:
     def loss_scale(self) -> float | None:
         return None
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
-        """Called on every rank with the same (temporary) folder; write this rank's part."""
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> Any:
+        """Called on every rank with the same (temporary) folder; write this rank's part and return
+        the paths written (or an io.Written), which this rank then hashes (io.Saver)."""
         raise NotImplementedError
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:

@@ -54,9 +54,9 @@ class DDPStrategy(TorchOptimizerStrategy):
     def micro_context(self, sync: bool):
         return contextlib.nullcontext() if sync or self.env.world == 1 else self.module.no_sync()
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> list[Path]:
         if self.env.rank != 0:  # replicas are identical: rank 0 writes the whole state
-            return
+            return []
         save_file({k: v.detach().contiguous().cpu() for k, v in unwrap_state_dict(self.module).items()},
                   str(folder / MODEL))
         torch.save(self.opt.state_dict(), folder / OPTIM)

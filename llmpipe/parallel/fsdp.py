@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from llmpipe import device as dev
-from llmpipe.checkpoint.dcp import DCP_DIR
+from llmpipe.checkpoint.dcp import DCP_DIR, save_state
+from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama.parallelize import apply_fsdp
 from llmpipe.parallel.base import TorchOptimizerStrategy
@@ -115,12 +116,15 @@ class FSDPStrategy(TorchOptimizerStrategy):
         # get_*_state_dict strip wrapper prefixes (checkpoint_wrapper's): keys are llmpipe's names.
         return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
-        dcp.save(self._state(), checkpoint_id=Path(folder) / DCP_DIR)
-        if self.env.rank == 0:
-            torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
-                        "scaler": self.scaler.state_dict() if self.scaler is not None else None},
-                       Path(folder) / TRAINER)
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any], asynchronous: bool = False,
+                         group=None) -> Written:
+        written = save_state(self._state(), folder, self.env.rank, asynchronous, group)
+        if self.env.rank != 0:
+            return written
+        torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
+                    "scaler": self.scaler.state_dict() if self.scaler is not None else None},
+                   Path(folder) / TRAINER)
+        return Written(lambda: [*written.claims(), Path(folder) / TRAINER], written.pending)
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         state = self._state()  # the shapes and shardings to load into (initialises Adam's states)

@@ -33,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from llmpipe.checkpoint.dcp import DCP_DIR
+from llmpipe.checkpoint.dcp import DCP_DIR, save_state
+from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama.model import ModelArgs, Transformer
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
@@ -231,12 +232,15 @@ class ModelParallelStrategy(Strategy):
             optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
         return {"model": model, "optim": optim}
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
-        dcp.save(self._state(), checkpoint_id=Path(folder) / DCP_DIR)
-        if self.env.rank == 0:
-            torch.save({**trainer_state, "scheduler": self.scheds[0].state_dict(),
-                        "layout": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}},
-                       Path(folder) / TRAINER)
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any], asynchronous: bool = False,
+                         group=None) -> Written:
+        written = save_state(self._state(), folder, self.env.rank, asynchronous, group)
+        if self.env.rank != 0:
+            return written
+        torch.save({**trainer_state, "scheduler": self.scheds[0].state_dict(),
+                    "layout": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}},
+                   Path(folder) / TRAINER)
+        return Written(lambda: [*written.claims(), Path(folder) / TRAINER], written.pending)
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         state = self._state()  # the shapes and shardings to load into (initialises Adam's states)

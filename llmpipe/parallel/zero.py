@@ -199,9 +199,12 @@ class ZeroStrategy(Strategy):
             return None
         return float(self.engine.optimizer.cur_scale)
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> None:
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> list[Path]:
         # Every rank writes its partitions; the trainer state rides along as DeepSpeed's client state.
         self.engine.save_checkpoint(str(folder), tag=TAG, client_state=trainer_state)
+        # this rank's partitions (zero_pp_rank_<rank>_mp_rank_00_{optim,model}_states.pt); the rest
+        # (model states, `latest`, zero_to_fp32.py: rank 0's) are hashed by rank 0 as unclaimed
+        return sorted((Path(folder) / TAG).glob(f"zero_pp_rank_{self.env.rank}_*"))
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         written = ckpt.read_meta(folder).get("world_size")

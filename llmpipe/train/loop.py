@@ -171,14 +171,25 @@ def _restore(folder: Path, strategy) -> tuple[int, int]:
     return int(state["step"]), int(state["consumed_samples"])
 
 
-def _save(out_dir: Path, step: int, consumed: int, strategy, args, env: Env, cfg) -> None:
+def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
+    """Every rank's checkpoint saver (collective: makes the asynchronous saves' process group)."""
+    c = cfg.train.checkpoint
+    asynchronous = c.async_save and strategy.format == "dcp"
+    if c.async_save and not asynchronous and env.main:
+        log.info("train.checkpoint.async_save: format %r (train.parallel.data=%s) saves synchronously; "
+                 "asynchronous saves need format 'dcp' (data=fsdp, or tp/pp > 1)",
+                 strategy.format, cfg.train.parallel.data)
+    return ckpt.Saver(out_dir / "checkpoints", env.rank, env.world, c.keep_last, asynchronous)
+
+
+def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env, writer: MetricsWriter) -> None:
+    """Checkpoint `step`; metrics.jsonl gets the seconds the step loop was blocked by it."""
     meta = {"format": strategy.format, "world_size": env.world, "model": args.to_dict(),
             "consumed_samples": consumed}
-    root = out_dir / "checkpoints"
-    ckpt.save(root, step, lambda folder: strategy.write_checkpoint(folder, _trainer_state(step, consumed)),
-              meta, rank=env.rank, barrier=dist.barrier if env.world > 1 else lambda: None)
-    if env.main:
-        ckpt.prune(root, cfg.train.checkpoint.keep_last)
+    kw = {"asynchronous": True, "group": saver.group} if saver.asynchronous else {}
+    stall = saver.save(step, lambda folder: strategy.write_checkpoint(folder, _trainer_state(step, consumed), **kw),
+                       meta)
+    writer.step({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": int(saver.asynchronous)})
 
 
 def _build(cfg: RunConfig, env: Env, vocab_size: int):
@@ -313,6 +324,7 @@ class _Loop:
 
     def run(self, start: int, consumed: int, out_dir: Path) -> dict[str, Any]:
         t, env = self.cfg.train, self.env
+        saver = _saver(self.cfg, env, self.strategy, out_dir)
         val0 = self._eval(start)
         tok_s_hist: list[float] = []
         loss = float("nan")
@@ -347,8 +359,9 @@ class _Loop:
                 if done % t.eval.every_steps == 0 and done != t.max_steps:
                     self._eval(done)
                 if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
-                    _save(out_dir, done, consumed, self.strategy, self.args, env, self.cfg)
+                    _save(saver, done, consumed, self.strategy, self.args, env, self.writer)
                 prof.step()
+        saver.wait()  # the last asynchronous save
         val = self._eval(t.max_steps) if t.max_steps > start else val0
         steady = tok_s_hist[1:] or tok_s_hist
         return {"steps": t.max_steps, "resumed_from": start, "final_loss": loss, "val_loss_start": val0,

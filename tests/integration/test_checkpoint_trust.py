@@ -58,10 +58,12 @@ def copy(fsdp_run, tmp_path) -> Path:
 
 
 def _relist(folder: Path) -> None:
-    """Rewrite meta.json so it lists the folder's files with their current sha256 (a careful forger)."""
+    """Rewrite meta.json so it lists the folder's files with their current sha256 and sizes (a careful
+    forger)."""
     meta = ckpt.read_meta(folder)
-    meta["files"] = {p.relative_to(folder).as_posix(): sha256_file(p) for p in sorted(folder.rglob("*"))
-                     if p.is_file() and p.name != ckpt.META}
+    files = [p for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ckpt.META]
+    meta["files"] = {p.relative_to(folder).as_posix(): sha256_file(p) for p in files}
+    meta["bytes"] = {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
     (folder / ckpt.META).write_text(json.dumps(meta))
 
 
