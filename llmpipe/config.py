@@ -268,6 +268,13 @@ class TrainSection(Section):
     master_addr: str | None = Field(None, description="Several nodes: address of the rank-0 host "
                                     "(default: the hostfile's first host).")
     master_port: int = Field(29500, ge=1, le=65535, description="Several nodes: rendezvous port.")
+    nodes: int = Field(1, ge=1, le=4096, description="Nodes torchrun trains on (world size = nproc_per_node x "
+                       "nodes); each node runs the train stage with its own node_rank. Not with a hostfile.")
+    node_rank: int = Field(0, ge=0, description="This node's index among train.nodes (0: the first).")
+    rdzv_endpoint: str | None = Field(None, description="Several nodes (torchrun): host:port of the c10d "
+                                         "rendezvous, served by node 0's agent; required when nodes > 1.")
+    restarts: int = Field(0, ge=0, le=100, description="torchrun --max-restarts: times a failed job is "
+                          "restarted in place (every rank, resuming from the newest checkpoint).")
     profile: ProfileSection = Field(default_factory=ProfileSection)
     debug: DebugSection = Field(default_factory=DebugSection)
     hccl: HcclSection = Field(default_factory=HcclSection)

@@ -11,7 +11,7 @@ in a second instead of after prepare_data has read the whole corpus:
   world size, so `plan` and `dryrun` can still try any --world-size.
 
 `check_before_run` adds `check_launch` (dp x tp x pp against the world size the train stage will
-start: nproc_per_node x the hostfile's hosts) when a pipeline run is about to train.
+start: nproc_per_node x train.nodes, or x the hostfile's hosts) when a pipeline run is about to train.
 
 Only the vocabulary waits for the data: the trained tokenizer may be smaller than
 data.tokenizer.vocab_size, so tp against the vocabulary is checked by the train stage.
@@ -99,10 +99,11 @@ def check_model(cfg: RunConfig) -> None:
 
 
 def launch_world(cfg: RunConfig) -> tuple[int, int] | None:
-    """(world size, nodes) of the train stage's launch, or None when the hostfile cannot be read
-    here (the train stage then names it; `--only benchmark` on another machine needs none)."""
+    """(world size, nodes) of the train stage's launch: nproc_per_node x train.nodes under torchrun,
+    x the hostfile's hosts under DeepSpeed's launcher; None when the hostfile cannot be read here
+    (the train stage then names it; `--only benchmark` on another machine needs none)."""
     if cfg.train.hostfile is None:
-        return cfg.train.nproc_per_node, 1
+        return cfg.train.nproc_per_node * cfg.train.nodes, cfg.train.nodes
     from llmpipe.stages import StageError
     from llmpipe.train.stage import _hosts  # the launcher's own reading of the hostfile
 

@@ -11,6 +11,10 @@ when their environment variable is set (tests set them to trigger each switch on
     LLMPIPE_INJECT_NAN=step[:rank]      at that step, a NaN in that rank's first weight gradient
     LLMPIPE_HANG=step:rank              at that step, that rank stops answering (sleeps), so its peers'
                                         next collective runs into train.dist_timeout_s
+    LLMPIPE_RAISE=step:rank             at that step, that rank raises a RuntimeError (an exception, as
+                                        a bug would: its error file names it)
+    LLMPIPE_KILL=step:rank              at that step, that rank SIGKILLs itself, once: only in torchrun's
+                                        first attempt (TORCHELASTIC_RESTART_COUNT 0), so a restart goes on
 """
 
 from __future__ import annotations
@@ -113,7 +117,21 @@ def perturb_grads(named: list[tuple[str, torch.Tensor | None]], step: int, rank:
                     (g.to_local() if isinstance(g, DTensor) else g).mul_(1.001)
 
 
+def _raise_or_kill(step: int, rank: int) -> None:
+    hit = _env_step_rank("LLMPIPE_RAISE")
+    if hit and hit[0] == step and hit[1] in (None, rank):
+        raise RuntimeError(f"LLMPIPE_RAISE: injected failure on rank {rank} at step {step}")
+    hit = _env_step_rank("LLMPIPE_KILL")
+    if hit and hit[0] == step and hit[1] in (None, rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        import signal
+
+        log.warning("LLMPIPE_KILL: rank %d SIGKILLs itself at step %d", rank, step)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
 def hang(step: int, rank: int) -> None:
+    """The per-step process faults: LLMPIPE_RAISE, LLMPIPE_KILL, then LLMPIPE_HANG."""
+    _raise_or_kill(step, rank)
     hit = _env_step_rank("LLMPIPE_HANG")
     if hit and hit[0] == step and hit[1] in (None, rank):
         import time

@@ -22,18 +22,26 @@ TORCHRUN_LOGS = "torchrun-logs"  # under the train stage's folder
 
 def torchrun_argv(nproc_per_node: int, config_path: Path, data_dir: Path, out_dir: Path,
                   python: str = sys.executable, nnodes: int = 1, node_rank: int = 0,
-                  master_addr: str | None = None, master_port: int = 29500) -> list[str]:
-    """argv for `torchrun` (as `python -m torch.distributed.run`) running llmpipe.train.main."""
+                  rdzv_endpoint: str | None = None, rdzv_id: str = "llmpipe", max_restarts: int = 0) -> list[str]:
+    """argv for `torchrun` (as `python -m torch.distributed.run`) running llmpipe.train.main.
+
+    One node: --standalone. Several: every node runs this same command with its own `node_rank`,
+    meeting at `rdzv_endpoint` (host:port of a c10d store that node 0's agent serves) under `rdzv_id`.
+    `max_restarts`: times torchrun restarts all of its ranks in place after one fails (they resume
+    from the newest checkpoint).
+    """
     argv = [python, "-m", "torch.distributed.run"]
-    if nnodes == 1 and master_addr is None:
+    if nnodes == 1:
         argv += ["--standalone", "--nnodes=1"]
     else:
-        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}",
-                 f"--master-addr={master_addr}", f"--master-port={master_port}"]
+        if not rdzv_endpoint:
+            raise ValueError(f"{nnodes} nodes need a rendezvous endpoint (host:port)")
+        argv += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id}"]
     # --monitor-interval=1: notice a dead rank within a second and stop the others (default 5 s).
     # --log-dir: torchrun's per-attempt folder (rank error files) kept with the run as evidence,
     # instead of a /tmp/torchelastic_* folder per run that nothing ever removes.
-    argv += [f"--nproc-per-node={nproc_per_node}", "--max-restarts=0", "--monitor-interval=1",
+    argv += [f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}", "--monitor-interval=1",
              f"--log-dir={Path(out_dir) / TORCHRUN_LOGS}", "-m", "llmpipe.train.main",
              "--config", str(config_path), "--data", str(data_dir),
              "--out", str(out_dir)]

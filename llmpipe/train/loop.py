@@ -260,6 +260,7 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     finally:
         writer.close()
         strategy.close()
+    summary["restarts"] = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # torchrun's in-place restarts
     if env.main:
         (Path(out_dir) / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

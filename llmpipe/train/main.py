@@ -1,20 +1,31 @@
 """The torchrun entry point: `torchrun ... -m llmpipe.train.main --config C --data D --out O`.
 
 Each rank initialises the process group with the backend device.py picks, trains, then tears
-down in an order that avoids the torch 2.13 + gloo abort at interpreter exit.
+down in an order that avoids the torch 2.13 + gloo abort at interpreter exit. A rank that raises
+writes torchelastic's error file (torchrun sets TORCHELASTIC_ERROR_FILE under its --log-dir): the
+JSON of `@record`, {"message": {"message", "extraInfo": {"py_callstack", "timestamp"}}}, plus
+extraInfo "rank", "type" and "time" (seconds, sub-second, to order ranks failing within a second);
+the train stage reads these files instead of the ranks' output.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
+import functools
 import gc
+import json
 import logging
 import os
+import signal
 import sys
+import time
 import traceback
+from pathlib import Path
 
 import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, record
 
 from llmpipe import config as config_mod
 from llmpipe import device as dev
@@ -33,8 +44,25 @@ def _init_distributed(cfg) -> None:
         return
     device = dev.resolve(cfg.run.device)
     dev.set_current(device)
-    dist.init_process_group(backend=dev.dist_backend(device),
-                            timeout=datetime.timedelta(seconds=cfg.train.dist_timeout_s))
+    timeout = datetime.timedelta(seconds=cfg.train.dist_timeout_s)
+    store = _attempt_store(timeout)
+    extra = {} if store is None else {"store": store, "rank": int(os.environ["RANK"]),
+                                      "world_size": int(os.environ["WORLD_SIZE"])}
+    dist.init_process_group(backend=dev.dist_backend(device), timeout=timeout, **extra)
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """torchrun's store, under a prefix per in-place restart; None: let init_process_group connect.
+
+    NOTE: torchrun (2.4+) shares its rendezvous TCPStore with the ranks and keeps it across restarts
+    (train.restarts), but the ranks use it without a per-attempt prefix, so a restarted group can read
+    the previous attempt's gloo addresses and fail ("connectFullMesh failed ... Connection refused").
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                          is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"llmpipe/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def _exit(code: int) -> None:
@@ -56,26 +84,90 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+TRACEBACK = "traceback.txt"  # beside the error file
+RANK_FILE = "rank.json"  # {"rank": global rank} at start; "exit": its code once it leaves on its own
+SIGTERM_FILE = "sigterm.txt"  # empty, or where the rank was when a SIGTERM ended it
+
+
+def _rank_dir() -> Path | None:
+    """torchrun's folder for this rank's files (that of TORCHELASTIC_ERROR_FILE); None outside torchrun."""
+    file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    return Path(file).parent if file else None
+
+
+def _mark(exit_code: int | None = None) -> None:
+    """Write rank.json; at start, also arm sigterm.txt.
+
+    NOTE: a rank that dies from a signal writes no error file. To tell a rank killed from outside
+    (SIGKILL, the OOM killer: nothing written) from one torchrun stopped with SIGTERM after a peer
+    failed, faulthandler's C-level SIGTERM handler dumps the stack into sigterm.txt at once, even
+    inside a blocking collective, then chains to the default action: the rank still dies from SIGTERM.
+    """
+    folder = _rank_dir()
+    if folder is None:
+        return
+    info = {"rank": int(os.environ.get("RANK", "0")), "pid": os.getpid()}
+    if exit_code is None:
+        global _SIGTERM_OUT
+        _SIGTERM_OUT = open(folder / SIGTERM_FILE, "w")  # noqa: SIM115 (open until the process ends)
+        faulthandler.register(signal.SIGTERM, file=_SIGTERM_OUT, all_threads=False, chain=True)
+    else:
+        info["exit"] = exit_code
+    (folder / RANK_FILE).write_text(json.dumps(info))
+
+
+_SIGTERM_OUT = None
+
+
+def _user_error(err: BaseException) -> bool:
+    """A mistake the user can fix (config, data, a diverged run): one line, no traceback."""
+    from llmpipe.train.debug import ReplicaMismatch
+
+    return isinstance(err, (ValueError, config_mod.ConfigError, FloatingPointError, ReplicaMismatch))
+
+
+class _ErrorFile(ErrorHandler):
+    """@record's error file with the rank, the exception's type and a sub-second time added."""
+
+    def record_exception(self, e: BaseException) -> None:
+        file = self._get_error_file_path()
+        if not file:
+            return
+        now, stack = time.time(), traceback.format_exc()
+        data = {"message": {"message": f"{type(e).__name__}: {e}",
+                            "extraInfo": {"py_callstack": stack, "timestamp": str(int(now)), "time": now,
+                                          "rank": int(os.environ.get("RANK", "0")), "type": type(e).__name__,
+                                          "error": str(e), "user_error": _user_error(e)}}}
+        self._write_error_file(file, json.dumps(data))
+        self._write_error_file(os.path.join(os.path.dirname(file), TRACEBACK), stack)  # readable as is
+
+
+@functools.partial(record, error_handler=_ErrorFile())
+def _train(args: argparse.Namespace) -> None:
+    """The rank's work; @record writes the error file of an exception, which then goes on to main."""
+    cfg = config_mod.load(args.config)
+    _init_distributed(cfg)
+    from llmpipe.train.loop import train
+
+    train(cfg, args.data, args.out)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parse(argv)
     rank = int(os.environ.get("RANK", "0"))
     logging.basicConfig(level=logging.INFO if rank == 0 else logging.WARNING,
                         format=f"[rank{rank}] %(message)s", stream=sys.stdout)
     code = 0
+    _mark()
     try:
-        cfg = config_mod.load(args.config)
-        _init_distributed(cfg)
-        from llmpipe.train.loop import train
-
-        train(cfg, args.data, args.out)
-    except Exception as err:  # report once per rank, then exit non-zero
+        _train(args)
+    except Exception as err:  # report once per rank, then exit non-zero (after _train's error file)
         code = 1
-        from llmpipe.train.debug import ReplicaMismatch
-
-        if isinstance(err, (ValueError, config_mod.ConfigError, FloatingPointError, ReplicaMismatch)):
+        if _user_error(err):
             print(f"[rank{rank}] error: {err}", file=sys.stderr)
         else:
             traceback.print_exc()
+    _mark(code)
     _exit(code)
 
 

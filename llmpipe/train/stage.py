@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from pathlib import Path
 
 import yaml
@@ -13,7 +14,7 @@ from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
 from llmpipe.train import metrics as metrics_mod
-from llmpipe.train.launch import deepspeed_argv, run_streaming, torchrun_argv
+from llmpipe.train.launch import TORCHRUN_LOGS, deepspeed_argv, run_streaming, torchrun_argv
 
 log = logging.getLogger("llmpipe.train")
 
@@ -40,11 +41,19 @@ def _hosts(cfg) -> list[str]:
 
 
 def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]:
-    """torchrun on one node; the DeepSpeed launcher over a hostfile for several."""
+    """torchrun on one node or on train.nodes (c10d rendezvous); DeepSpeed's launcher over a hostfile."""
     t = cfg.train
     hosts = _hosts(cfg)
+    if hosts and t.nodes > 1:
+        raise StageError(f"train.nodes={t.nodes} with train.hostfile: the hostfile already lists the nodes "
+                         "(DeepSpeed's launcher); set one or the other")
     if not hosts:
-        return torchrun_argv(t.nproc_per_node, config_path, data_dir, out)
+        if t.nodes > 1 and not t.rdzv_endpoint:
+            raise StageError(f"train.nodes={t.nodes} needs train.rdzv_endpoint (host:port of node 0)")
+        if t.node_rank >= t.nodes:
+            raise StageError(f"train.node_rank={t.node_rank} but train.nodes={t.nodes} (0 ... {t.nodes - 1})")
+        return torchrun_argv(t.nproc_per_node, config_path, data_dir, out, nnodes=t.nodes, node_rank=t.node_rank,
+                             rdzv_endpoint=t.rdzv_endpoint, rdzv_id=cfg.run.name, max_restarts=t.restarts)
     return deepspeed_argv(Path(t.hostfile), t.nproc_per_node, config_path, data_dir, out,
                           master_addr=t.master_addr or hosts[0], master_port=t.master_port)
 
@@ -57,7 +66,8 @@ def check_layout(cfg, data_dir: Path) -> None:
     from llmpipe.parallel.model_parallel import check_supported
 
     p = cfg.train.parallel
-    world = cfg.train.nproc_per_node * max(1, len(_hosts(cfg)))
+    nodes = len(_hosts(cfg)) or cfg.train.nodes
+    world = cfg.train.nproc_per_node * nodes
     vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
     try:
         mesh.validate(p, model_args(cfg.model, vocab_size=vocab), world, cfg.train.micro_batch_size)
@@ -65,7 +75,7 @@ def check_layout(cfg, data_dir: Path) -> None:
             check_supported(cfg, dev.precision(dev.resolve(cfg.run.device), cfg.train.precision.dtype))
     except mesh.LayoutError as err:
         raise StageError(f"train.parallel: {err} (world size {world} = nproc_per_node "
-                         f"{cfg.train.nproc_per_node} x {max(1, len(_hosts(cfg)))} node(s))") from None
+                         f"{cfg.train.nproc_per_node} x {nodes} node(s))") from None
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -76,15 +86,15 @@ def run(ctx: StageContext) -> StageResult:
     config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     argv = _launch_argv(cfg, config_path, data_dir, out)
     log.info("launching: %s", " ".join(argv))
-    code, tail = run_streaming(argv, lambda line: log.info("%s", line), env=_env(cfg))
+    env, agent_file = _env(cfg), None
+    if argv[1:3] == ["-m", "torch.distributed.run"]:  # torchrun's own @record: its exit reason
+        agent_file = out / TORCHRUN_LOGS / f"agent-error-node{cfg.train.node_rank}.json"
+        agent_file.unlink(missing_ok=True)  # a previous attempt's
+        env["TORCHELASTIC_ERROR_FILE"] = str(agent_file)
+    since = time.time()
+    code, _ = run_streaming(argv, lambda line: log.info("%s", line), env=env)
     if code != 0:
-        # a rank's one-line "error: ..." first, then tracebacks' last lines, then whatever came last
-        errors = [ln for ln in tail if "error:" in ln] or [ln for ln in tail if "Error" in ln]
-        detail = (errors or tail or ["no output"])[-1].strip()
-        # A rank that died from a signal (OOM killer, preemption, a lost node) may well succeed on a
-        # retry, which resumes from the newest checkpoint; an exception inside a rank will not.
-        killed = code < 0 or any("Signals." in ln or "SIGKILL" in ln for ln in tail)
-        raise StageError(f"training failed: torchrun exited with {code}: {detail}", transient=killed)
+        raise failure(code, out / TORCHRUN_LOGS, agent_file, since)
     final = ckpt.latest_valid(out / "checkpoints")
     if final is None or ckpt.read_meta(final)["step"] != cfg.train.max_steps:
         raise StageError(f"training ended without a valid checkpoint at step {cfg.train.max_steps} in {out}")
@@ -102,3 +112,83 @@ def _summary_metrics(out: Path) -> dict:
     if evals:  # the first eval of the whole run, even when this attempt resumed
         summary["val_loss_start"] = evals[0]["val_loss"]
     return summary
+
+
+# -- why torchrun failed, from its structured results ------------------------------------------------------
+# torchrun gives each rank a folder, <log-dir>/<run>/attempt_<n>/<local rank>/, where main.py writes:
+#   error.json, traceback.txt  the rank raised (@record's error file: message, type, rank, sub-second time)
+#   sigterm.txt (not empty)    a SIGTERM ended it: torchrun stopping it after a peer failed, or from outside
+#   rank.json                  its rank, and "exit" once it left on its own
+# A rank with none of these (no error, no SIGTERM, no exit) died from another signal: SIGKILL, the OOM
+# killer, a crash. Such a death (or a SIGTERM before any error) may well pass on a retry, which resumes
+# from the newest checkpoint; an exception in a rank will not. torchrun's agent, under @record too, writes
+# agent_file only for its own failure (a rendezvous that failed): its first failing rank is picked with
+# one-second timestamps, so the ranks' own files decide here.
+_AGENT_TRANSIENT = ("SignalException", "RendezvousClosedError", "RendezvousTimeoutError",
+                    "RendezvousConnectionError", "DistNetworkError", "DistStoreError")
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _ranks(logs: Path, since: float) -> list[dict]:
+    """What each rank of this launch's final attempts left: rank, state (raised/terminated/killed/exited), time."""
+    out = []
+    for run in logs.glob("*/"):  # one per torchrun agent (several nodes may share a machine's log folder)
+        attempts = [a for a in run.glob("attempt_*") if a.stat().st_mtime >= since - 1]
+        if not attempts:
+            continue
+        final = max(attempts, key=lambda a: int(a.name.rpartition("_")[2]))
+        for folder in sorted(d for d in final.iterdir() if d.is_dir()):
+            mark = _read_json(folder / "rank.json") or {}
+            error = _read_json(folder / "error.json")
+            sigterm = folder / "sigterm.txt"
+            rank = mark.get("rank", f"(local {folder.name})")
+            if error and "rank" in error.get("message", {}).get("extraInfo", {}):
+                info = error["message"]["extraInfo"]
+                out.append({**info, "state": "raised", "file": folder / "traceback.txt"})
+            elif sigterm.is_file() and sigterm.stat().st_size:
+                out.append({"rank": rank, "state": "terminated", "time": sigterm.stat().st_mtime})
+            elif "exit" in mark:
+                out.append({"rank": rank, "state": "exited", "time": float("inf")})
+            else:
+                out.append({"rank": rank, "state": "killed", "time": -1.0})
+    return sorted(out, key=lambda r: r["time"])
+
+
+def _describe(err: dict) -> str:
+    if err["user_error"]:  # a config/data mistake or a diverged run: its own clear message
+        return f"rank {err['rank']}: {err['error']} (traceback: {err['file']})"
+    return f"rank {err['rank']} raised {err['type']}: {err['error']} (traceback: {err['file']})"
+
+
+def failure(code: int, logs: Path, agent_file: Path | None, since: float) -> StageError:
+    """One line for a failed launch: the first failing rank with its exception and traceback file, or
+    the signal it died from; transient (worth a retry) when a rank died from a signal, not when it raised."""
+    head = f"training failed: torchrun exited with {code}"
+    ranks = _ranks(logs, since)
+    agent = _read_json(agent_file) if agent_file is not None else None
+    agent_msg = ""
+    if agent and isinstance(agent.get("message"), (str, dict)) and "errorCode" not in agent["message"]:
+        msg = agent["message"] if isinstance(agent["message"], str) else agent["message"].get("message", "")
+        agent_msg = msg.splitlines()[0] if msg else "no message"  # torchrun's own failure, not a rank's
+    raised = [r for r in ranks if r["state"] == "raised"]
+    then = f"; then {_describe(raised[0])}" if raised else ""
+    killed = [str(r["rank"]) for r in ranks if r["state"] == "killed"]
+    if killed:
+        return StageError(f"{head}: rank {', '.join(killed)} died from a signal without an error file (SIGKILL, "
+                          f"the OOM killer or a crash; torchrun-logs: {logs}){then}", transient=True)
+    if ranks and ranks[0]["state"] == "terminated":
+        return StageError(f"{head}: rank {ranks[0]['rank']} was stopped by SIGTERM{then}", transient=True)
+    # torchrun itself failed: its rendezvous lost (another node gone), a signal to the agent
+    lost = agent_msg.split(":")[0] in _AGENT_TRANSIENT
+    if raised:
+        return StageError(f"{head}: {_describe(raised[0])}" + (f"; torchrun: {agent_msg}" if agent_msg else ""),
+                          transient=lost)
+    if agent_msg:
+        return StageError(f"{head}: torchrun: {agent_msg}", transient=lost)
+    return StageError(f"{head}: no rank left an error file (torchrun-logs: {logs})", transient=code < 0)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -32,11 +33,97 @@ def test_a_training_run_leaves_no_temporary_folder_behind(tmp_path, data_dir, mo
     assert (tmp_path / "out" / "torchrun-logs").is_dir()  # its logs stay with the run instead
 
 
-def test_torchrun_argv_multi_node():
+def test_torchrun_argv_multi_node_meets_at_a_c10d_rendezvous():
     argv = torchrun_argv(8, Path("c"), Path("d"), Path("o"), python="py", nnodes=4, node_rank=2,
-                         master_addr="10.0.0.1", master_port=29400)
+                         rdzv_endpoint="10.0.0.1:29400", rdzv_id="llama7b", max_restarts=3)
     assert "--standalone" not in argv
-    assert argv[3:7] == ["--nnodes=4", "--node-rank=2", "--master-addr=10.0.0.1", "--master-port=29400"]
+    assert argv[3:8] == ["--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
+                         "--rdzv-id=llama7b"]
+    assert "--max-restarts=3" in argv
+    with pytest.raises(ValueError, match="2 nodes need a rendezvous endpoint"):
+        torchrun_argv(8, Path("c"), Path("d"), Path("o"), nnodes=2)
+
+
+def test_train_section_chooses_the_torchrun_launch_and_refuses_what_cannot_work(tmp_path):
+    from llmpipe.config_checks import launch_world
+    from llmpipe.stages import StageError
+    from llmpipe.train.stage import _launch_argv
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, train__nproc_per_node=2, train__nodes=3, train__node_rank=1, train__restarts=2,
+                   train__rdzv_endpoint="head:29400", run__name="big")
+    argv = _launch_argv(cfg, Path("c.yaml"), Path("d"), Path("o"))
+    assert argv[3:8] == ["--nnodes=3", "--node-rank=1", "--rdzv-backend=c10d", "--rdzv-endpoint=head:29400",
+                         "--rdzv-id=big"] and "--max-restarts=2" in argv
+    assert launch_world(cfg) == (6, 3)
+    for bad, match in (({"rdzv_endpoint": None}, "train.nodes=3 needs train.rdzv_endpoint"),
+                       ({"node_rank": 3}, "train.node_rank=3 but train.nodes=3")):
+        with pytest.raises(StageError, match=match):
+            _launch_argv(cfg.model_copy(update={"train": cfg.train.model_copy(update=bad)}), Path("c"), Path("d"),
+                         Path("o"))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("a slots=2\nb slots=2\n")
+    both = cfg.model_copy(update={"train": cfg.train.model_copy(update={"hostfile": str(hostfile)})})
+    with pytest.raises(StageError, match="^train.nodes=3 with train.hostfile: .* set one or the other$"):
+        _launch_argv(both, Path("c"), Path("d"), Path("o"))
+
+
+def _rank_folder(attempt: Path, local: int, rank: int, *, raised: tuple[str, float, bool] | None = None,
+                 sigterm: bool = False, exited: bool = False) -> None:
+    """A rank's files in a torchrun attempt folder, as llmpipe.train.main writes them."""
+    folder = attempt / str(local)
+    folder.mkdir(parents=True)
+    (folder / "rank.json").write_text(json.dumps({"rank": rank, **({"exit": 1} if exited or raised else {})}))
+    (folder / "sigterm.txt").write_text("Current thread 0x1 (most recent call first):\n" if sigterm else "")
+    if raised:
+        kind, when, user = raised
+        info = {"py_callstack": "Traceback ...", "timestamp": str(int(when)), "time": when, "rank": rank,
+                "type": kind, "error": f"boom {rank}", "user_error": user}
+        (folder / "error.json").write_text(json.dumps({"message": {"message": f"{kind}: boom", "extraInfo": info}}))
+        (folder / "traceback.txt").write_text("Traceback ...")
+
+
+@pytest.mark.parametrize("case", ["raised", "user", "killed", "terminated", "lost-node"])
+def test_a_failed_launch_is_one_line_from_the_ranks_files(tmp_path, case):
+    from llmpipe.train.stage import failure
+
+    logs = tmp_path / "torchrun-logs"
+    old = logs / "run_old" / "attempt_0"  # a previous launch's files are not this one's
+    _rank_folder(old, 0, 0, raised=("ValueError", 1.0, True))
+    os.utime(old, (1.0, 1.0))
+    attempt = logs / "run_x" / "attempt_0"
+    since = time.time()
+    agent = logs / "agent-error-node0.json"
+    if case == "raised":  # rank 1 raised first; rank 0 followed (a lost peer), later
+        _rank_folder(attempt, 0, 0, raised=("RuntimeError", since + 0.5, False), sigterm=True)
+        _rank_folder(attempt, 1, 1, raised=("RuntimeError", since + 0.2, False))
+    elif case == "user":
+        _rank_folder(attempt, 0, 0, raised=("ConfigError", since, True))
+        _rank_folder(attempt, 1, 1, sigterm=True)
+    elif case == "killed":  # rank 1 vanished (SIGKILL); rank 0 raised after it
+        _rank_folder(attempt, 0, 0, raised=("RuntimeError", since, False))
+        _rank_folder(attempt, 1, 1)
+    elif case == "terminated":
+        _rank_folder(attempt, 0, 0, sigterm=True)
+        _rank_folder(attempt, 1, 1, sigterm=True)
+    else:  # this node's rank raised when the other node went away; torchrun lost its rendezvous
+        _rank_folder(attempt, 0, 0, raised=("RuntimeError", since, False))
+        agent.write_text(json.dumps({"message": {"message": "RendezvousConnectionError: store gone",
+                                                 "extraInfo": {"timestamp": "0"}}}))
+    err = failure(1, logs, agent, since)
+    line = str(err)
+    assert "\n" not in line and line.startswith("training failed: torchrun exited with 1: ")
+    tb = attempt / "1" / "traceback.txt"
+    expected = {
+        "raised": (f"rank 1 raised RuntimeError: boom 1 (traceback: {tb})", False),
+        "user": (f"rank 0: boom 0 (traceback: {attempt / '0' / 'traceback.txt'})", False),
+        "killed": ("rank 1 died from a signal without an error file", True),
+        "terminated": ("rank 0 was stopped by SIGTERM", True),
+        "lost-node": ("rank 0 raised RuntimeError: boom 0 (traceback: ", True),
+    }[case]
+    assert expected[0] in line and err.transient == expected[1], line
+    if case == "lost-node":
+        assert line.endswith("; torchrun: RendezvousConnectionError: store gone")
 
 
 def test_run_streaming_streams_lines_and_returns_the_exit_code():
