@@ -151,10 +151,10 @@ def _ranks(logs: Path, since: float) -> list[dict]:
             if error and "rank" in error.get("message", {}).get("extraInfo", {}):
                 info = error["message"]["extraInfo"]
                 out.append({**info, "state": "raised", "file": folder / "traceback.txt"})
+            elif "exit" in mark:  # it finished on its own (a SIGTERM during teardown changes nothing)
+                out.append({"rank": rank, "state": "exited", "time": float("inf")})
             elif sigterm.is_file() and sigterm.stat().st_size:
                 out.append({"rank": rank, "state": "terminated", "time": sigterm.stat().st_mtime})
-            elif "exit" in mark:
-                out.append({"rank": rank, "state": "exited", "time": float("inf")})
             else:
                 out.append({"rank": rank, "state": "killed", "time": -1.0})
     return sorted(out, key=lambda r: r["time"])

@@ -59,11 +59,18 @@ def test_an_exception_in_rank_1_is_one_line_naming_rank_1_its_exception_and_trac
     assert "torchrun-logs" in traceback.parts
 
 
-def test_a_rank_killed_once_is_restarted_in_place_and_the_stage_counts_the_restart(tmp_path, monkeypatch):
-    cfg = _short(tmp_path, "restart", restarts=1)
+def test_a_killed_rank_fails_transiently_and_with_restarts_is_restarted_in_place(tmp_path, monkeypatch):
+    cfg = _short(tmp_path, "restart")
     stages.run_stage("prepare_data", cfg)
-    monkeypatch.setenv("LLMPIPE_KILL", "3:1")  # rank 1 SIGKILLs itself at step 3 of the first attempt
-    manifest, executed = stages.run_stage("train", cfg)
+    monkeypatch.setenv("LLMPIPE_KILL", "3:1")  # rank 1 SIGKILLs itself at step 3 of torchrun's first attempt
+    with pytest.raises(StageError) as info:
+        stages.run_stage("train", cfg)
+    line = str(info.value)
+    assert "\n" not in line and info.value.transient, line  # worth a retry, from the newest checkpoint
+    assert "rank 1 died from a signal without an error file" in line
+
+    restarts = cfg.model_copy(update={"train": cfg.train.model_copy(update={"restarts": 1})})
+    manifest, executed = stages.run_stage("train", restarts)
     assert executed and manifest.metrics["restarts"] == 1
     assert manifest.metrics["resumed_from"] == 2  # the restart went on from the step-2 checkpoint
 
