@@ -4,6 +4,7 @@
     llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
+    llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
 
@@ -63,14 +64,20 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, help="default: dp * tp * pp from the config, else nproc_per_node")
     plan.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     plan.add_argument("--peak-tflops", type=float, help="dense peak per device; default: train.peak_tflops, "
-                      "else the Ascend 910B's")
+                      "else the planning device's (llmpipe.device.PLAN_DEVICE)")
     plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
     plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device network bandwidth for the "
                       "gradient sync, gigabits/s (default 100)")
     plan.add_argument("--tokens", type=float, help="training tokens; default 20 per parameter (Chinchilla)")
-    plan.add_argument("--memory-gib", type=float, help="memory per device for the recommendation (default 64, "
-                      "the Ascend 910B's)")
+    plan.add_argument("--memory-gib", type=float, help="memory per device for the recommendation (default: "
+                      "the planning device's, llmpipe.device.PLAN_MEMORY_GIB)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+
+    clean = sub.add_parser("clean", help="remove the folders of earlier attempts kept under <run>/superseded/ "
+                           "(their checkpoints): the only command that deletes them")
+    clean.add_argument("run", help="run name (folder under the artifacts dir)")
+    clean.add_argument("--keep", type=int, default=0, help="keep the newest N per stage (default 0)")
+    clean.add_argument("--artifacts-dir", default="artifacts")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -115,6 +122,48 @@ def _status(args: argparse.Namespace) -> int:
         dur = f"{r['duration_s']:.1f}s" if r["duration_s"] is not None else "-"
         print(f"{r['stage']:<14} {r['state']:<10} {r['status']:<10} {r['fingerprint']:<13} {dur:>9}  "
               f"{r['finished_at']}{'  (' + r['reason'] + ')' if r['reason'] else ''}")
+    _print_attempts(cfg.run_dir())
+    return 0
+
+
+def _print_attempts(run_dir: Path) -> None:
+    """The last failure per stage, and the superseded folders kept (with their disk usage)."""
+    from llmpipe import attempts
+    from llmpipe.stages import stage_dir
+
+    for name in STAGES:
+        last = attempts.last_failure(run_dir, stage_dir(run_dir, name).name)
+        if last:
+            print(f"last failure of {name} ({last[0].when}): {last[1]}  [{last[0].path}]")
+    superseded = attempts.kept(run_dir, attempts.SUPERSEDED)
+    if superseded:
+        sizes = [k.bytes for k in superseded]
+        print(f"superseded (kept; `llmpipe clean {run_dir.name}` removes them): {len(superseded)} folder(s), "
+              f"{_gib(sum(sizes))}")
+        for k, size in zip(superseded, sizes):
+            print(f"  {k.path.name:<48} {_gib(size):>10}  fingerprint {k.fingerprint}  kept {k.when}")
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _clean(args: argparse.Namespace) -> int:
+    from llmpipe import attempts
+    from llmpipe.lock import run_lock
+
+    if not config_mod.RUN_NAME_RE.match(args.run):
+        raise ConfigError(f"run {args.run!r}: not a valid run name")
+    if args.keep < 0:
+        raise ConfigError(f"--keep {args.keep}: must be >= 0")
+    run_dir = Path(args.artifacts_dir) / args.run
+    if not run_dir.is_dir():
+        raise ConfigError(f"{run_dir}: no such run folder")
+    with run_lock(run_dir):
+        removed, freed = attempts.clean(run_dir, keep=args.keep)
+    for p in removed:
+        print(f"removed {p}")
+    print(f"clean: {len(removed)} superseded folder(s) removed, {_gib(freed)} freed")
     return 0
 
 
@@ -191,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Prefect's client logs every request at INFO
-    from llmpipe.lock import LockError
-    from llmpipe.stages import StageError
+    from llmpipe.errors import UserError
 
     try:
         if args.command == "run":
@@ -205,6 +253,8 @@ def main(argv: list[str] | None = None) -> int:
             return _dryrun(args)
         if args.command == "plan":
             return _plan(args)
+        if args.command == "clean":
+            return _clean(args)
         from llmpipe import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")
@@ -212,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except (StageError, LockError) as err:
+    except UserError as err:  # a stage, the lock, the data, a model folder: one line
         print(f"error: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmpipe.errors import UserError
+
 STAGES = ("prepare_data", "train", "consolidate", "export_onnx", "convert_om", "benchmark")
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_STEPS = 10_000_000
@@ -22,7 +24,31 @@ MAX_STEPS = 10_000_000
 Check = Literal["fields", "model"]
 
 
-class ConfigError(ValueError):
+# Every field says whether it defines a stage's result or only how the run goes:
+#   Res(...)  result-defining: in the stage's fingerprint; changing it re-runs the stage and, if the
+#             bytes it produces change, what follows.
+#   Op(...)   operational (logging, cadences, retention, timeouts, network and HCCL settings, the
+#             profiler, debug switches, threads, the launcher and the parallel layout): left out of
+#             the fingerprint, so changing it never re-runs a completed stage (the change is recorded
+#             in the stage's manifest) and never discards a partial one.
+# tests/unit/test_config_roles.py walks the tree: a new field cannot be added without choosing.
+ROLE = "role"
+OPERATIONAL, RESULT = "operational", "result"
+_OP_NOTE = " [operational: not in the fingerprint]"
+
+
+def Res(default: Any = ..., **kw: Any) -> Any:  # noqa: N802 (reads like Field)
+    """A result-defining field (see above)."""
+    return Field(default, json_schema_extra={ROLE: RESULT}, **kw)
+
+
+def Op(default: Any = ..., **kw: Any) -> Any:  # noqa: N802
+    """An operational field (see above); its description says so."""
+    kw["description"] = kw.get("description", "") + _OP_NOTE
+    return Field(default, json_schema_extra={ROLE: OPERATIONAL}, **kw)
+
+
+class ConfigError(UserError, ValueError):
     """A user error in a config file or override; the message is one line meant for the user."""
 
 
@@ -31,15 +57,15 @@ class Section(BaseModel):
 
 
 class RunSection(Section):
-    name: str = Field("tiny", description="Run name: the folder artifacts/<name>/ (letters, digits, . _ -).")
-    artifacts_dir: str = Field("artifacts", description="Root folder for all runs' outputs (a folder, or "
+    name: str = Op("tiny", description="Run name: the folder artifacts/<name>/ (letters, digits, . _ -).")
+    artifacts_dir: str = Op("artifacts", description="Root folder for all runs' outputs (a folder, or "
                                "none yet: created on the first stage).")
-    device: Literal["auto", "cpu", "cuda", "npu"] = Field(
+    device: Literal["auto", "cpu", "cuda", "npu"] = Op(
         "auto", description="Accelerator; auto picks npu > cuda > cpu.")
-    seed: int = Field(1234, ge=0, description="Seed for data split, sampling order and weight init.")
-    retries: int = Field(1, ge=0, le=10, description="Retries of a stage after a transient failure (a rank "
+    seed: int = Res(1234, ge=0, description="Seed for data split, sampling order and weight init.")
+    retries: int = Op(1, ge=0, le=10, description="Retries of a stage after a transient failure (a rank "
                          "killed from outside, a lost connection); deterministic errors are never retried.")
-    retry_delay_s: float = Field(10.0, ge=0, description="Wait before a retry.")
+    retry_delay_s: float = Op(10.0, ge=0, description="Wait before a retry.")
 
     @field_validator("name")
     @classmethod
@@ -50,73 +76,77 @@ class RunSection(Section):
 
 
 class TokenizerSection(Section):
-    path: str | None = Field(None, description="An existing tokenizer.json to load; null trains a new one.")
-    vocab_size: int = Field(8192, ge=260, le=1_000_000, description="BPE vocabulary size when training.")
-    min_frequency: int = Field(2, ge=1, description="Minimum pair frequency for a BPE merge.")
-    eos_token: str = Field("<|endoftext|>", description="Token inserted between documents.")
+    path: str | None = Res(None, description="An existing tokenizer.json to load; null trains a new one.")
+    vocab_size: int = Res(8192, ge=260, le=1_000_000, description="BPE vocabulary size when training.")
+    min_frequency: int = Res(2, ge=1, description="Minimum pair frequency for a BPE merge.")
+    eos_token: str = Res("<|endoftext|>", description="Token inserted between documents.")
 
 
 class DataSection(Section):
-    inputs: list[str] = Field(..., min_length=1, description="Globs of .txt/.jsonl (or any text) files. "
+    inputs: list[str] = Res(..., min_length=1, description="Globs of .txt/.jsonl (or any text) files. "
                               "'{stdlib}' expands to this Python's standard library folder.")
-    text_field: str = Field("text", description="Field holding the text in .jsonl records.")
-    seq_len: int = Field(256, ge=8, le=1_048_576, description="Tokens per training sample.")
-    val_fraction: float = Field(0.01, gt=0.0, lt=0.5, description="Fraction of documents held out.")
-    max_files: int | None = Field(None, ge=1, description="Read at most this many files (sorted order).")
-    max_file_bytes: int = Field(64 << 20, ge=1, description="Files larger than this are skipped (with reason).")
-    tokenizer: TokenizerSection = Field(default_factory=TokenizerSection)
+    text_field: str = Res("text", description="Field holding the text in .jsonl records.")
+    seq_len: int = Res(256, ge=8, le=1_048_576, description="Tokens per training sample.")
+    val_fraction: float = Res(0.01, gt=0.0, lt=0.5, description="Fraction of documents held out.")
+    max_files: int | None = Res(None, ge=1, description="Read at most this many files (sorted order).")
+    max_file_bytes: int = Res(64 << 20, ge=1, description="Files larger than this are skipped (with reason).")
+    tokenizer: TokenizerSection = Res(default_factory=TokenizerSection)
 
 
 class ModelSection(Section):
-    flavor: str = Field("tiny", description="Named architecture in llmpipe.models.llama.flavors.")
-    dim: int | None = Field(None, ge=8, description="Override: hidden size.")
-    n_layers: int | None = Field(None, ge=1, description="Override: transformer blocks.")
-    n_heads: int | None = Field(None, ge=1, description="Override: attention heads.")
-    n_kv_heads: int | None = Field(None, ge=1, description="Override: key/value heads (GQA).")
-    ffn_dim: int | None = Field(None, ge=8, description="Override: SwiGLU intermediate size.")
-    max_seq_len: int | None = Field(None, ge=8, description="Override: longest sequence (RoPE table).")
-    rope_theta: float | None = Field(None, gt=0, description="Override: RoPE base.")
-    norm_eps: float | None = Field(None, gt=0, description="Override: RMSNorm epsilon.")
+    flavor: str = Res("tiny", description="Named architecture in llmpipe.models.llama.flavors.")
+    dim: int | None = Res(None, ge=8, description="Override: hidden size.")
+    n_layers: int | None = Res(None, ge=1, description="Override: transformer blocks.")
+    n_heads: int | None = Res(None, ge=1, description="Override: attention heads.")
+    n_kv_heads: int | None = Res(None, ge=1, description="Override: key/value heads (GQA).")
+    ffn_dim: int | None = Res(None, ge=8, description="Override: SwiGLU intermediate size.")
+    max_seq_len: int | None = Res(None, ge=8, description="Override: longest sequence (RoPE table).")
+    rope_theta: float | None = Res(None, gt=0, description="Override: RoPE base.")
+    norm_eps: float | None = Res(None, gt=0, description="Override: RMSNorm epsilon.")
+    init_from: str | None = Res(None, description="A Hugging Face LLaMA-family folder (LlamaForCausalLM or "
+                                "MistralForCausalLM: config.json, safetensors, tokenizer.json) to start from: its "
+                                "config defines the architecture (flavor and overrides other than max_seq_len are "
+                                "not used), its weights are loaded, its tokenizer.json is the run's tokenizer.")
 
 
 class ParallelSection(Section):
-    data: Literal["ddp", "zero", "fsdp"] = Field("ddp", description="Data-parallel strategy: DDP replicas, "
+    data: Literal["ddp", "zero", "fsdp"] = Op("ddp", description="Data-parallel strategy: DDP replicas, "
                                                  "DeepSpeed ZeRO (zero_stage), or FSDP2 (fully_shard).")
-    bucket_cap_mb: float = Field(25.0, gt=0, description="DDP gradient bucket size (MB).")
-    gradient_as_bucket_view: bool = Field(True, description="DDP: gradients are views into buckets.")
-    static_graph: bool = Field(True, description="DDP: the autograd graph is the same every step.")
-    broadcast_buffers: bool = Field(False, description="DDP: sync buffers from rank 0 before each forward "
+    bucket_cap_mb: float = Op(25.0, gt=0, description="DDP gradient bucket size (MB).")
+    gradient_as_bucket_view: bool = Op(True, description="DDP: gradients are views into buckets.")
+    static_graph: bool = Op(True, description="DDP: the autograd graph is the same every step.")
+    broadcast_buffers: bool = Op(False, description="DDP: sync buffers from rank 0 before each forward "
                                    "(torch's forward_sync_buffers).")
-    zero_stage: int = Field(0, ge=0, le=3, description="ZeRO: 1 shards optimizer states, 2 also gradients, "
+    zero_stage: int = Op(0, ge=0, le=3, description="ZeRO: 1 shards optimizer states, 2 also gradients, "
                             "3 also parameters. 0 with data=ddp/fsdp.")
-    offload_optimizer: Literal["none", "cpu"] = Field("none", description="ZeRO: keep optimizer states "
+    offload_optimizer: Literal["none", "cpu"] = Op("none", description="ZeRO: keep optimizer states "
                                                       "(and the step) in host memory.")
-    offload_param: Literal["none", "cpu"] = Field("none", description="ZeRO-3: keep parameters in host memory.")
-    pin_memory: bool = Field(True, description="ZeRO offload: page-locked host buffers.")
-    reduce_bucket_size: int = Field(500_000_000, ge=1, description="ZeRO: elements per gradient reduce bucket.")
-    allgather_bucket_size: int = Field(500_000_000, ge=1, description="ZeRO-1/2: elements per all-gather.")
-    overlap_comm: bool = Field(True, description="ZeRO: overlap gradient reduction with backward.")
-    contiguous_gradients: bool = Field(True, description="ZeRO: copy gradients into one contiguous buffer.")
-    zero_optimizer: Literal["auto", "torch", "deepspeed"] = Field(
+    offload_param: Literal["none", "cpu"] = Op("none", description="ZeRO-3: keep parameters in host memory.")
+    pin_memory: bool = Op(True, description="ZeRO offload: page-locked host buffers.")
+    reduce_bucket_size: int = Op(500_000_000, ge=1, description="ZeRO: elements per gradient reduce bucket.")
+    allgather_bucket_size: int = Op(500_000_000, ge=1, description="ZeRO-1/2: elements per all-gather.")
+    overlap_comm: bool = Op(True, description="ZeRO: overlap gradient reduction with backward.")
+    contiguous_gradients: bool = Op(True, description="ZeRO: copy gradients into one contiguous buffer.")
+    zero_optimizer: Literal["auto", "torch", "deepspeed"] = Op(
         "auto", description="ZeRO: DeepSpeed's own compiled AdamW (FusedAdam / DeepSpeedCPUAdam), or torch "
         "AdamW as a client optimizer; auto: DeepSpeed's where its ops are prebuilt, else torch.")
-    reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after forward "
+    reshard_after_forward: bool = Op(True, description="FSDP2: free gathered parameters after forward "
                                         "(ZeRO-3-like); false keeps them until backward (ZeRO-2-like).")
 
-    dp: int | None = Field(None, ge=1, description="Data-parallel degree; null: world size / (tp * pp). "
+    dp: int | None = Op(None, ge=1, description="Data-parallel degree; null: world size / (tp * pp). "
                            "When set, dp * tp * pp must equal the world size.")
-    tp: int = Field(1, ge=1, description="Tensor-parallel degree: each block's matmuls split over tp ranks "
+    tp: int = Op(1, ge=1, description="Tensor-parallel degree: each block's matmuls split over tp ranks "
                     "(must divide heads, kv heads, ffn dim, vocab and dim).")
-    pp: int = Field(1, ge=1, description="Pipeline-parallel degree: the layers cut into pp stages.")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+    pp: int = Op(1, ge=1, description="Pipeline-parallel degree: the layers cut into pp stages.")
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Op(
         "1f1b", description="Pipeline schedule (torch.distributed.pipelining); interleaved needs virtual_stages.")
-    microbatches: int = Field(4, ge=1, description="Pipeline micro-batches per micro-step (each "
+    microbatches: int = Op(4, ge=1, description="Pipeline micro-batches per micro-step (each "
                               "micro_batch_size / microbatches samples); 1f1b schedules need >= pp.")
-    virtual_stages: int = Field(1, ge=1, description="Stages per pipeline rank (interleaved_1f1b needs >= 2).")
-    split_points: list[int] | None = Field(None, description="Explicit first layer index of every stage but "
+    virtual_stages: int = Op(1, ge=1, description="Stages per pipeline rank (interleaved_1f1b needs >= 2).")
+    split_points: list[int] | None = Op(None, description="Explicit first layer index of every stage but "
                                            "the first, increasing (pp * virtual_stages - 1 of them); "
                                            "null: even split, earlier stages take the extra layers.")
-    sequence_parallel: bool = Field(False, description="TP: shard norms and residuals along the sequence.")
+    sequence_parallel: bool = Op(False, description="TP: shard norms and residuals along the sequence.")
 
     @model_validator(mode="after")
     def _layout(self) -> ParallelSection:
@@ -154,24 +184,24 @@ class ParallelSection(Section):
 
 
 class LossScaleSection(Section):
-    init: float = Field(65536.0, gt=0, description="fp16: initial loss scale.")
-    growth_interval: int = Field(2000, ge=1, description="fp16: steps without overflow before the scale grows.")
+    init: float = Res(65536.0, gt=0, description="fp16: initial loss scale.")
+    growth_interval: int = Res(2000, ge=1, description="fp16: steps without overflow before the scale grows.")
 
 
 class PrecisionSection(Section):
-    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+    dtype: Literal["auto", "fp32", "bf16", "fp16"] = Res(
         "fp32", description="Autocast dtype (fp16 adds a GradScaler); auto: bf16 on npu/cuda, fp32 on cpu "
         "(CPUs without native bf16 run it an order of magnitude slower).")
-    loss_scale: LossScaleSection = Field(default_factory=LossScaleSection)
+    loss_scale: LossScaleSection = Res(default_factory=LossScaleSection)
 
 
 class OptimSection(Section):
-    lr: float = Field(3.0e-4, gt=0, description="Peak learning rate.")
-    betas: tuple[float, float] = Field((0.9, 0.95), description="AdamW betas.")
-    eps: float = Field(1.0e-8, gt=0, description="AdamW epsilon.")
-    weight_decay: float = Field(0.1, ge=0, description="AdamW decoupled weight decay (not on norms).")
-    clip_grad_norm: float | None = Field(1.0, gt=0, description="Clip the global gradient norm; null: off.")
-    lr_reference_batch: int | None = Field(None, ge=1, description="Linear lr scaling: the peak lr is "
+    lr: float = Res(3.0e-4, gt=0, description="Peak learning rate.")
+    betas: tuple[float, float] = Res((0.9, 0.95), description="AdamW betas.")
+    eps: float = Res(1.0e-8, gt=0, description="AdamW epsilon.")
+    weight_decay: float = Res(0.1, ge=0, description="AdamW decoupled weight decay (not on norms).")
+    clip_grad_norm: float | None = Res(1.0, gt=0, description="Clip the global gradient norm; null: off.")
+    lr_reference_batch: int | None = Res(None, ge=1, description="Linear lr scaling: the peak lr is "
                                            "lr x global_batch / lr_reference_batch (sequences); null: lr as given.")
 
     @field_validator("betas")
@@ -183,54 +213,62 @@ class OptimSection(Section):
 
 
 class ScheduleSection(Section):
-    warmup_steps: int = Field(20, ge=0, description="Linear warm-up length, in `warmup_unit`s.")
-    warmup_unit: Literal["steps", "micro_batches"] = Field(
+    warmup_steps: int = Res(20, ge=0, description="Linear warm-up length, in `warmup_unit`s.")
+    warmup_unit: Literal["steps", "micro_batches"] = Res(
         "steps", description="steps: optimizer steps; micro_batches: micro-batch steps, so the warm-up "
         "covers the same data whatever grad_accum_steps is (divided by it, rounded up).")
-    decay: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warm-up.")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
+    decay: Literal["cosine", "linear", "constant", "wsd"] = Res(
+        "cosine", description="Decay after warm-up; wsd (warmup-stable-decay) holds the peak until the last "
+        "decay_fraction of the steps, so a stable-phase checkpoint extends to a longer run exactly.")
+    decay_fraction: float = Res(0.2, gt=0, le=1, description="wsd: share of max_steps spent decaying.")
+    min_lr_ratio: float = Res(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
 
 
 class CheckpointSection(Section):
-    every_steps: int = Field(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
-    keep_last: int = Field(3, ge=1, description="Checkpoints kept; older ones are removed.")
-    resume: bool | Literal["auto"] | str = Field("auto", description="auto: newest valid checkpoint of this "
-                                                 "stage; false: start over; a path: that checkpoint.")
-    async_save: bool = Field(False, description="Write checkpoints in the background (DCP async_save, format "
+    every_steps: int = Op(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
+    keep_last: int = Op(3, ge=1, description="Checkpoints kept; older ones are removed (only after a "
+                        "newer one verified).")
+    keep_superseded: int | None = Op(None, ge=0, description="Training folders of earlier attempts whose "
+                                     "fingerprint no longer matches (artifacts/<run>/superseded/) kept after a "
+                                     "train stage completes; null: all (`llmpipe clean` removes them).")
+    resume: bool | Literal["auto", "never"] | str = Op(
+        "auto", description="auto: the newest valid checkpoint of this stage, else of an earlier attempt of the "
+        "run with the same model and data (a warm start); never (or false): start over; a path: that checkpoint.")
+    async_save: bool = Op(False, description="Write checkpoints in the background (DCP async_save, format "
                           "dcp: data=fsdp or tp/pp > 1); the step loop waits only while the state is copied. "
                           "Other formats save synchronously (with a log line).")
 
 
 class EvalSection(Section):
-    every_steps: int = Field(50, ge=1, description="Validation every N steps (and at the start and end).")
-    samples: int | None = Field(None, ge=1, description="The validation set: the first N sequences of the val "
+    every_steps: int = Op(50, ge=1, description="Validation every N steps (and at the start and end).")
+    samples: int | None = Op(None, ge=1, description="The validation set: the first N sequences of the val "
                              "shard (all of it when smaller), the same under every layout, split across the "
                              "data-parallel ranks; null: batches x micro_batch_size.")
-    batches: int = Field(8, ge=1, description="With samples null, the validation set is batches x "
+    batches: int = Op(8, ge=1, description="With samples null, the validation set is batches x "
                       "micro_batch_size sequences in total (not per rank).")
 
 
 class ProfileSection(Section):
-    enabled: bool = Field(False, description="Profile training steps with torch.profiler (torch_npu's on NPU).")
-    wait: int = Field(1, ge=0, description="Steps skipped before each profiling cycle.")
-    warmup: int = Field(1, ge=0, description="Steps traced but discarded (profiler warm-up).")
-    active: int = Field(3, ge=1, description="Steps recorded per cycle.")
-    repeat: int = Field(1, ge=1, description="Profiling cycles.")
-    record_shapes: bool = Field(False, description="Record operator input shapes.")
-    with_stack: bool = Field(False, description="Record Python stacks (large traces).")
+    enabled: bool = Op(False, description="Profile training steps with torch.profiler (torch_npu's on NPU).")
+    wait: int = Op(1, ge=0, description="Steps skipped before each profiling cycle.")
+    warmup: int = Op(1, ge=0, description="Steps traced but discarded (profiler warm-up).")
+    active: int = Op(3, ge=1, description="Steps recorded per cycle.")
+    repeat: int = Op(1, ge=1, description="Profiling cycles.")
+    record_shapes: bool = Op(False, description="Record operator input shapes.")
+    with_stack: bool = Op(False, description="Record Python stacks (large traces).")
 
 
 class DebugSection(Section):
     """Troubleshooting switches (the seed's table): off by default except the NaN/Inf guard."""
 
-    check_init_params: bool = Field(False, description="After building: every data-parallel replica holds "
+    check_init_params: bool = Op(False, description="After building: every data-parallel replica holds "
                                     "bitwise the same parameters (stops naming those that differ).")
-    check_grad_consistency_every: int = Field(0, ge=0, description="Every N optimizer steps, check that the "
+    check_grad_consistency_every: int = Op(0, ge=0, description="Every N optimizer steps, check that the "
                                               "synchronised gradients agree across replicas; 0: off.")
-    nan_guard: Literal["off", "skip", "stop"] = Field(
+    nan_guard: Literal["off", "skip", "stop"] = Op(
         "stop", description="Non-finite loss or gradients (not fp16 overflow, which the loss scaler skips): "
         "stop naming the parameters, skip the update and go on, or off (the loss is still checked).")
-    loss_scale_stop_below: float | None = Field(None, gt=0, description="fp16: stop when the loss scale "
+    loss_scale_stop_below: float | None = Op(None, gt=0, description="fp16: stop when the loss scale "
                                                 "falls below this (it warns below 1 regardless); null: never.")
 
 
@@ -238,60 +276,61 @@ class HcclSection(Section):
     """HCCL settings exported to every rank on NPU (null: HCCL's default). Timeouts come from
     train.dist_timeout_s."""
 
-    algo: str | None = Field(None, description="HCCL_ALGO, e.g. 'level0:NA;level1:H-D_R'.")
-    buffer_size_mb: int | None = Field(None, ge=1, description="HCCL_BUFFER_SIZE in MB.")
-    ib_hca: str | None = Field(None, description="HCCL_IB_HCA: RDMA devices to use.")
-    socket_ifname: str | None = Field(None, description="HCCL_SOCKET_IFNAME: the NIC for HCCL's sockets.")
+    algo: str | None = Op(None, description="HCCL_ALGO, e.g. 'level0:NA;level1:H-D_R'.")
+    buffer_size_mb: int | None = Op(None, ge=1, description="HCCL_BUFFER_SIZE in MB.")
+    ib_hca: str | None = Op(None, description="HCCL_IB_HCA: RDMA devices to use.")
+    socket_ifname: str | None = Op(None, description="HCCL_SOCKET_IFNAME: the NIC for HCCL's sockets.")
 
 
 class TrainSection(Section):
-    nproc_per_node: int = Field(1, ge=1, le=1024, description="Processes torchrun starts on this node.")
-    micro_batch_size: int = Field(8, ge=1, description="Samples per rank per forward pass.")
-    grad_accum_steps: int = Field(1, ge=1, description="Micro-batches accumulated per optimizer step.")
-    max_steps: int = Field(200, ge=1, le=MAX_STEPS, description="Optimizer steps to train (at most 10 million: "
-                           "LLaMA-2's 2T tokens at 4M tokens per step are 500k steps, so more is a typo).")
-    parallel: ParallelSection = Field(default_factory=ParallelSection)
-    precision: PrecisionSection = Field(default_factory=PrecisionSection)
-    optim: OptimSection = Field(default_factory=OptimSection)
-    schedule: ScheduleSection = Field(default_factory=ScheduleSection)
-    activation_checkpointing: bool = Field(False, description="Recompute each block in backward.")
-    checkpoint: CheckpointSection = Field(default_factory=CheckpointSection)
-    eval: EvalSection = Field(default_factory=EvalSection)
-    log_every: int = Field(10, ge=1, description="Print a progress line every N steps.")
-    peak_tflops: float | None = Field(None, gt=0, description="Peak dense TFLOPS per device for MFU; "
+    nproc_per_node: int = Op(1, ge=1, le=1024, description="Processes torchrun starts on this node.")
+    micro_batch_size: int = Op(8, ge=1, description="Samples per rank per forward pass.")
+    grad_accum_steps: int = Op(1, ge=1, description="Micro-batches accumulated per optimizer step.")
+    max_steps: int = Res(200, ge=0, le=MAX_STEPS, description="Optimizer steps to train (at most 10 million: "
+                           "LLaMA-2's 2T tokens at 4M tokens per step are 500k steps, so more is a typo); 0 keeps "
+                           "the initial weights (model.init_from's, to deploy a pretrained model as it is).")
+    parallel: ParallelSection = Op(default_factory=ParallelSection)
+    precision: PrecisionSection = Res(default_factory=PrecisionSection)
+    optim: OptimSection = Res(default_factory=OptimSection)
+    schedule: ScheduleSection = Res(default_factory=ScheduleSection)
+    activation_checkpointing: bool = Op(False, description="Recompute each block in backward.")
+    checkpoint: CheckpointSection = Op(default_factory=CheckpointSection)
+    eval: EvalSection = Op(default_factory=EvalSection)
+    log_every: int = Op(10, ge=1, description="Print a progress line every N steps.")
+    peak_tflops: float | None = Op(None, gt=0, description="Peak dense TFLOPS per device for MFU; "
                                       "null: device.py's table for the detected device.")
-    threads_per_proc: int | None = Field(None, ge=1, description="torch intra-op threads per rank "
+    threads_per_proc: int | None = Op(None, ge=1, description="torch intra-op threads per rank "
                                          "(CPU); null: cores / nproc_per_node.")
-    dist_timeout_s: int = Field(1800, ge=10, description="Timeout for process-group init and collectives.")
-    hostfile: str | None = Field(None, description="Several nodes: a DeepSpeed hostfile ('host slots=N' per "
+    dist_timeout_s: int = Op(1800, ge=10, description="Timeout for process-group init and collectives.")
+    hostfile: str | None = Op(None, description="Several nodes: a DeepSpeed hostfile ('host slots=N' per "
                                  "line); the stage then uses the DeepSpeed launcher instead of torchrun.")
-    master_addr: str | None = Field(None, description="Several nodes: address of the rank-0 host "
+    master_addr: str | None = Op(None, description="Several nodes: address of the rank-0 host "
                                     "(default: the hostfile's first host).")
-    master_port: int = Field(29500, ge=1, le=65535, description="Several nodes: rendezvous port.")
-    nodes: int = Field(1, ge=1, le=4096, description="Nodes torchrun trains on (world size = nproc_per_node x "
-                       "nodes); each node runs the train stage with its own node_rank. Not with a hostfile.")
-    node_rank: int = Field(0, ge=0, description="This node's index among train.nodes (0: the first).")
-    rdzv_endpoint: str | None = Field(None, description="Several nodes (torchrun): host:port of the c10d "
-                                         "rendezvous, served by node 0's agent; required when nodes > 1.")
-    restarts: int = Field(0, ge=0, le=100, description="torchrun --max-restarts: times a failed job is "
-                          "restarted in place (every rank, resuming from the newest checkpoint).")
-    profile: ProfileSection = Field(default_factory=ProfileSection)
-    debug: DebugSection = Field(default_factory=DebugSection)
-    hccl: HcclSection = Field(default_factory=HcclSection)
+    master_port: int = Op(29500, ge=1, le=65535, description="Several nodes: rendezvous port.")
+    nodes: int = Op(1, ge=1, le=4096, description="Nodes torchrun trains on (world size = nproc_per_node x "
+                    "nodes); each node runs the train stage with its own node_rank. Not with a hostfile.")
+    node_rank: int = Op(0, ge=0, description="This node's index among train.nodes (0: the first).")
+    rdzv_endpoint: str | None = Op(None, description="Several nodes (torchrun): host:port of the c10d "
+                                      "rendezvous, served by node 0's agent; required when nodes > 1.")
+    restarts: int = Op(0, ge=0, le=100, description="torchrun --max-restarts: times a failed job is "
+                       "restarted in place (every rank, resuming from the newest checkpoint).")
+    profile: ProfileSection = Op(default_factory=ProfileSection)
+    debug: DebugSection = Op(default_factory=DebugSection)
+    hccl: HcclSection = Op(default_factory=HcclSection)
 
 
 class ConsolidateSection(Section):
-    dtype: Literal["fp32", "bf16"] = Field("fp32", description="Weight dtype of the consolidated model.")
-    hf_layout: bool = Field(True, description="Also write a Hugging Face Llama folder (hf/).")
+    dtype: Literal["fp32", "bf16"] = Res("fp32", description="Weight dtype of the consolidated model.")
+    hf_layout: bool = Res(True, description="Also write a Hugging Face Llama folder (hf/).")
 
 
 class ExportSection(Section):
-    opset: int = Field(17, ge=14, le=21, description="ONNX opset (ATC reads 9-18; SDPA needs >= 14).")
-    kv_cache: bool = Field(True, description="Also export decoder_with_past.onnx (KV-cache decoding).")
-    parity_atol: float = Field(1.0e-3, gt=0, description="Max abs logit difference ORT vs PyTorch.")
-    parity_shapes: list[tuple[int, int]] = Field([(1, 16), (2, 64)], min_length=1,
+    opset: int = Res(17, ge=14, le=21, description="ONNX opset (ATC reads 9-18; SDPA needs >= 14).")
+    kv_cache: bool = Res(True, description="Also export decoder_with_past.onnx (KV-cache decoding).")
+    parity_atol: float = Res(1.0e-3, gt=0, description="Max abs logit difference ORT vs PyTorch.")
+    parity_shapes: list[tuple[int, int]] = Res([(1, 16), (2, 64)], min_length=1,
                                                  description="(batch, seq) shapes checked for parity.")
-    allow_large_opset: bool = Field(False, description="Allow opset > 18 (ATC cannot read it).")
+    allow_large_opset: bool = Res(False, description="Allow opset > 18 (ATC cannot read it).")
 
     @model_validator(mode="after")
     def _opset(self) -> ExportSection:
@@ -301,17 +340,17 @@ class ExportSection(Section):
 
 
 class ConvertOmSection(Section):
-    required: bool = Field(False, description="Fail (instead of skip) when ATC is not available.")
-    atc_path: str | None = Field(None, description="Path to atc; null: PATH, then CANN's usual locations.")
-    soc_version: str = Field("Ascend910B", description="--soc_version, e.g. Ascend910B, Ascend310P3.")
-    input_shape: str | None = Field(None, description="--input_shape, e.g. 'input_ids:1,128' (or -1 dims).")
-    dynamic_dims: str | None = Field(None, description="--dynamic_dims gears, e.g. '32;64;128'.")
-    precision_mode: str | None = Field(None, description="--precision_mode (exclusive with _v2).")
-    precision_mode_v2: str | None = Field("fp16", description="--precision_mode_v2, e.g. fp16, origin.")
-    op_select_implmode: Literal["high_performance", "high_precision"] | None = Field(
+    required: bool = Res(False, description="Fail (instead of skip) when ATC is not available.")
+    atc_path: str | None = Op(None, description="Path to atc; null: PATH, then CANN's usual locations.")
+    soc_version: str = Res("Ascend910B", description="--soc_version, e.g. Ascend910B, Ascend310P3.")
+    input_shape: str | None = Res(None, description="--input_shape, e.g. 'input_ids:1,128' (or -1 dims).")
+    dynamic_dims: str | None = Res(None, description="--dynamic_dims gears, e.g. '32;64;128'.")
+    precision_mode: str | None = Res(None, description="--precision_mode (exclusive with _v2).")
+    precision_mode_v2: str | None = Res("fp16", description="--precision_mode_v2, e.g. fp16, origin.")
+    op_select_implmode: Literal["high_performance", "high_precision"] | None = Res(
         None, description="--op_select_implmode.")
-    log: Literal["debug", "info", "warning", "error", "null"] = Field("error", description="ATC --log level.")
-    timeout_s: int = Field(3600, ge=1, description="Kill ATC after this many seconds.")
+    log: Literal["debug", "info", "warning", "error", "null"] = Op("error", description="ATC --log level.")
+    timeout_s: int = Op(3600, ge=1, description="Kill ATC after this many seconds.")
 
     @model_validator(mode="after")
     def _precision(self) -> ConvertOmSection:
@@ -321,26 +360,38 @@ class ConvertOmSection(Section):
 
 
 class BenchmarkSection(Section):
-    variants: list[Literal["fp32", "fp16", "int8"]] = Field(["fp32", "fp16", "int8"], min_length=1,
+    variants: list[Literal["fp32", "fp16", "int8"]] = Res(["fp32", "fp16", "int8"], min_length=1,
                                                             description="Model variants to measure.")
-    providers: Literal["auto"] | list[str] = Field("auto", description="ORT providers; auto: every one "
+    providers: Literal["auto"] | list[str] = Res("auto", description="ORT providers; auto: every one "
                                                    "present among CPU, CUDA, CANN.")
-    shapes: list[tuple[int, int]] = Field([(1, 128), (4, 128)], min_length=1, description="(batch, seq).")
-    warmup: int = Field(5, ge=0, description="Untimed iterations per measurement.")
-    iters: int = Field(50, ge=1, description="Timed iterations per measurement.")
-    torch_baseline: bool = Field(True, description="Measure PyTorch eager in the same run.")
-    threads: int | None = Field(None, ge=1, description="Intra-op threads for ORT and torch; null: all cores.")
+    shapes: list[tuple[int, int]] = Res([(1, 128), (4, 128)], min_length=1, description="(batch, seq).")
+    warmup: int = Res(5, ge=0, description="Untimed iterations per measurement.")
+    iters: int = Res(50, ge=1, description="Timed iterations per measurement.")
+    torch_baseline: bool = Res(True, description="Measure PyTorch eager in the same run.")
+    threads: int | None = Res(None, ge=1, description="Intra-op threads for ORT and torch; null: all cores.")
 
 
 class RunConfig(Section):
-    run: RunSection = Field(default_factory=RunSection)
-    data: DataSection
-    model: ModelSection = Field(default_factory=ModelSection)
-    train: TrainSection = Field(default_factory=TrainSection)
-    consolidate: ConsolidateSection = Field(default_factory=ConsolidateSection)
-    export: ExportSection = Field(default_factory=ExportSection)
-    convert_om: ConvertOmSection = Field(default_factory=ConvertOmSection)
-    benchmark: BenchmarkSection = Field(default_factory=BenchmarkSection)
+    run: RunSection = Res(default_factory=RunSection)
+    data: DataSection = Res(...)
+    model: ModelSection = Res(default_factory=ModelSection)
+    train: TrainSection = Res(default_factory=TrainSection)
+    consolidate: ConsolidateSection = Res(default_factory=ConsolidateSection)
+    export: ExportSection = Res(default_factory=ExportSection)
+    convert_om: ConvertOmSection = Res(default_factory=ConvertOmSection)
+    benchmark: BenchmarkSection = Res(default_factory=BenchmarkSection)
+
+    @model_validator(mode="after")
+    def _pretrained_tokenizer(self) -> RunConfig:
+        """model.init_from: the folder's tokenizer.json is the run's tokenizer unless data.tokenizer.path
+        names one; pretrained embeddings are meaningless under a tokenizer trained afresh."""
+        if self.model.init_from and self.data.tokenizer.path is None:
+            tok = Path(self.model.init_from) / "tokenizer.json"
+            if not tok.is_file():
+                raise ValueError(f"model.init_from: {tok} not found; set data.tokenizer.path to the tokenizer "
+                                 "the weights were trained with")
+            self.data.tokenizer.path = str(tok)
+        return self
 
     def run_dir(self) -> Path:
         """artifacts_dir/name, guaranteed to stay inside artifacts_dir."""
@@ -433,6 +484,71 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, check
     for assignment in overrides:
         apply_override(tree, assignment)
     return from_dict(tree, source=str(path), check=check)
+
+
+def role(cls: type[BaseModel], name: str) -> str | None:
+    """The role (RESULT or OPERATIONAL) a section class gives its field `name`, None if unmarked."""
+    extra = cls.model_fields[name].json_schema_extra
+    return extra.get(ROLE) if isinstance(extra, dict) else None
+
+
+def _subsection(annotation: Any) -> type[Section] | None:
+    return annotation if isinstance(annotation, type) and issubclass(annotation, Section) else None
+
+
+def _result_only(cls: type[Section], data: Any) -> Any:
+    if not isinstance(data, dict):
+        return data
+    out = {}
+    for name, value in data.items():
+        if name not in cls.model_fields or role(cls, name) == OPERATIONAL:
+            continue
+        sub = _subsection(cls.model_fields[name].annotation)
+        out[name] = _result_only(sub, value) if sub is not None else value
+    return out
+
+
+def _section_class(dotted: str) -> type[Section] | None:
+    cls: type[Section] | None = RunConfig
+    for part in dotted.split("."):
+        cls = _subsection(cls.model_fields[part].annotation) if cls is not None else None
+    return cls
+
+
+def result_section(cfg: RunConfig, dotted: str) -> Any:
+    """section() with the operational fields left out: what a stage's fingerprint hashes."""
+    value = section(cfg, dotted)
+    cls = _section_class(dotted)
+    return _result_only(cls, value) if cls is not None else value
+
+
+def operational_changes(old: dict[str, Any], new: dict[str, Any], sections: tuple[str, ...]) -> dict[str, list]:
+    """{dotted field: [old, new]} of the operational fields under `sections` that differ between
+    two config trees (as recorded in manifests)."""
+    changes: dict[str, list] = {}
+
+    def walk(cls: type[Section], a: Any, b: Any, prefix: str, operational: bool) -> None:
+        for name in cls.model_fields:
+            path, op = f"{prefix}{name}", operational or role(cls, name) == OPERATIONAL
+            x = a.get(name) if isinstance(a, dict) else None
+            y = b.get(name) if isinstance(b, dict) else None
+            sub = _subsection(cls.model_fields[name].annotation)
+            if sub is not None:
+                walk(sub, x, y, path + ".", op)
+            elif op and x != y:
+                changes[path] = [x, y]
+
+    for dotted in sections:
+        cls = _section_class(dotted)
+        if cls is not None:  # a single field (run.seed) is result-defining by construction
+            walk(cls, _dig(old, dotted), _dig(new, dotted), dotted + ".", False)
+    return changes
+
+
+def _dig(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def section(cfg: RunConfig, dotted: str) -> Any:

@@ -131,6 +131,7 @@ class Manifest:
     duration_s: float = 0.0
     reason: str | None = None
     inputs: dict[str, str] = field(default_factory=dict)  # input stage -> content digest of what it read
+    changes: list[dict[str, Any]] = field(default_factory=list)  # operational changes since: {at, operational}
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

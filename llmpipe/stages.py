@@ -28,14 +28,16 @@ from pathlib import Path
 from typing import Any
 
 import llmpipe
-from llmpipe.config import STAGES, ConfigError, RunConfig, section
+from llmpipe import attempts
+from llmpipe.config import STAGES, ConfigError, RunConfig, operational_changes, result_section, section
+from llmpipe.errors import UserError
 from llmpipe.lock import run_lock
 from llmpipe.manifest import DigestCache, Manifest, ManifestError, file_entry, fingerprint, versions
 
 log = logging.getLogger("llmpipe.stages")
 
 
-class StageError(RuntimeError):
+class StageError(UserError, RuntimeError):
     """A stage failed for a reason the user can act on; the message is one line.
 
     `transient=True` marks failures worth retrying (a rank killed from outside, a lost connection);
@@ -49,7 +51,7 @@ class StageError(RuntimeError):
 
 def is_transient(exc: BaseException) -> bool:
     """Whether a retry could succeed: flagged StageErrors and I/O or connection trouble."""
-    if isinstance(exc, StageError):
+    if isinstance(exc, UserError):
         return exc.transient
     return isinstance(exc, (ConnectionError, TimeoutError, BlockingIOError))
 
@@ -64,6 +66,7 @@ class StageSpec:
     extra: str | None = None  # "module:function(cfg) -> dict" of environment facts in the fingerprint
     outputs: tuple[str, ...] = ()  # what a completed manifest must list (a folder output: "name/")
     may_skip: bool = False  # whether "skipped" (with a reason) is a legitimate result
+    retention: str | None = None  # config field: how many superseded folders to keep (resumable stages)
 
 
 SPECS: dict[str, StageSpec] = {s.name: s for s in (
@@ -71,7 +74,9 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               extra="llmpipe.data.corpus:fingerprint_extra",
               outputs=("tokenizer", "train_bin", "train_idx", "val_bin", "val_idx", "meta")),
     StageSpec("train", ("model", "train", "run.seed"), ("prepare_data",), "llmpipe.train.stage:run",
-              resumable=True, outputs=("checkpoint/", "metrics", "model_config", "summary", "config")),
+              resumable=True, extra="llmpipe.train.fingerprint:extra",
+              retention="train.checkpoint.keep_superseded",
+              outputs=("checkpoint/", "metrics", "model_config", "summary", "config")),
     StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run",
               outputs=("model", "model_config", "tokenizer")),
     StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run",
@@ -138,7 +143,7 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
                 contents[i] = _content(run_dir, i)
         payload = {
             "stage": name,
-            "config": {s: section(cfg, s) for s in spec.sections},
+            "config": {s: result_section(cfg, s) for s in spec.sections},
             "inputs": {i: contents[i] for i in spec.inputs},
             "llmpipe": llmpipe.__version__,
         }
@@ -197,14 +202,20 @@ def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
 
-def _prepare_partial(partial: Path, fp: str, resumable: bool) -> None:
+def _prepare_partial(partial: Path, fp: str, spec: StageSpec, run_dir: Path) -> None:
+    """An empty partial folder for this attempt, or the previous attempt's with the same fingerprint
+    (a resumable stage continues from it). A resumable stage's partial folder with another
+    fingerprint holds paid-for work (checkpoints): it is moved aside, never deleted."""
     marker = partial / ".fingerprint"
     if partial.exists():
-        same = marker.is_file() and marker.read_text().strip() == fp
-        if resumable and same:
+        old = marker.read_text().strip() if marker.is_file() else ""
+        if spec.resumable and old == fp:
             log.info("resuming from the partial outputs in %s", partial)
             return
-        shutil.rmtree(partial)
+        if spec.resumable and any(p.name != ".fingerprint" for p in partial.iterdir()):
+            attempts.supersede(partial, run_dir, stage_dir(run_dir, spec.name).name, old or "0" * 12)
+        else:
+            shutil.rmtree(partial)
     partial.mkdir(parents=True)
     marker.write_text(fp + "\n")
 
@@ -231,15 +242,36 @@ def _expand_outputs(root: Path, outputs: dict[str, str]) -> dict[str, dict[str, 
     return entries
 
 
-def _publish(partial: Path, final: Path) -> None:
-    """Swap `partial` into place as `final`; the previous result is removed only afterwards."""
+def _publish(partial: Path, final: Path, spec: StageSpec, run_dir: Path) -> None:
+    """Swap `partial` into place as `final`. The previous result is removed only afterwards, except a
+    resumable stage's (checkpoints), which is moved aside to superseded/."""
     old = None
     if final.exists():
         old = final.with_name(f".{final.name}.old-{os.getpid()}")
         os.replace(final, old)
     os.replace(partial, final)
-    if old is not None:
+    if old is None:
+        return
+    previous = Manifest.read(old) if spec.resumable else None
+    if spec.resumable:
+        attempts.supersede(old, run_dir, final.name, previous.fingerprint if previous else "0" * 12)
+    else:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def _record_operational_changes(spec: StageSpec, cfg: RunConfig, manifest: Manifest) -> None:
+    """A done stage run under changed operational settings: say so, and record what changed and
+    when in its manifest (which then carries the new config)."""
+    new = cfg.to_dict()
+    changed = operational_changes(manifest.config, new, spec.sections)
+    if not changed:
+        return
+    log.info("%s: up to date; operational settings changed (not re-run): %s", spec.name,
+             ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in ((k, *v) for k, v in changed.items())))
+    manifest.changes.append({"at": _now(), "operational": changed})
+    manifest.config = new
+    with run_lock(cfg.run_dir()):
+        manifest.write(stage_dir(cfg.run_dir(), spec.name))
 
 
 def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest, bool]:
@@ -253,6 +285,7 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
         status, manifest = state(cfg, name, fps[name])
         if status == "done":
             log.info("%s: up to date (fingerprint %s), skipped", name, fps[name][:12])
+            _record_operational_changes(spec, cfg, manifest)
             return manifest, False
         if status != "missing":
             log.info("%s: existing result is %s; running again", name, status)
@@ -283,7 +316,7 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
     name, run_dir = spec.name, cfg.run_dir()
     final = stage_dir(run_dir, name)
     partial = run_dir / f".{final.name}.partial"
-    _prepare_partial(partial, fps[name], spec.resumable)
+    _prepare_partial(partial, fps[name], spec, run_dir)
     started, t0 = _now(), time.monotonic()
     log.info("%s: running (fingerprint %s)", name, fps[name][:12])
     ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name])
@@ -291,6 +324,8 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
         _injected_failure(name)
         result: StageResult = _resolve(spec.entry)(ctx)
     except BaseException as exc:
+        # The attempt's evidence (logs, error files) is kept under failed/, and the error points there.
+        evidence = attempts.keep_failure(partial, run_dir, final.name, exc)
         # Nothing half-written stays behind, except a resumable stage's partial folder (training
         # checkpoints), which the next attempt with the same fingerprint continues from.
         # A resumable stage that failed before writing anything leaves nothing either.
@@ -300,6 +335,10 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
             # A full disk, a quota or a read-only mount is the user's to fix: one line naming where.
             where = exc.filename or partial
             raise StageError(f"{name}: {where}: {os.strerror(exc.errno).lower()}") from exc
+        if isinstance(exc, UserError):  # the module's own error becomes the stage's, evidence repointed
+            moved = attempts.repoint(str(exc), partial, evidence)
+            if moved != str(exc) or not isinstance(exc, StageError):
+                raise StageError(moved, transient=exc.transient) from exc
         raise
 
     (partial / ".fingerprint").unlink(missing_ok=True)
@@ -311,7 +350,9 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
         inputs={d: m.content_digest() for d, (_, m) in inputs.items()},
     )
     manifest.write(partial)
-    _publish(partial, final)
+    _publish(partial, final, spec, run_dir)
+    if spec.retention:
+        attempts.prune_superseded(run_dir, final.name, section(cfg, spec.retention))
     log.info("%s: %s in %.1fs -> %s", name, result.status, manifest.duration_s, final)
     return manifest
 

@@ -85,10 +85,16 @@ class Strategy:
         """Restore from a verified checkpoint folder; returns the trainer state written with it."""
         raise NotImplementedError
 
+    def optimizers(self) -> list[tuple[Any, Any]]:
+        """(optimizer, LambdaLR) pairs this strategy steps; a resume re-tunes them to the config."""
+        return [(self.opt, self.sched)]
+
+    flat_param_groups = False  # param groups hold flattened partitions (ZeRO), not the model's shapes
+
     def close(self) -> None:
         """Drop references to model and optimizer before the process group is destroyed."""
 
-    # -- troubleshooting (llmpipe.train.debug) ------------------------------------------------------
+    # -- troubleshooting (llmpipe.debug) ------------------------------------------------------
 
     nan_guard = "stop"  # train.debug.nan_guard, set by the loop
     step_number = 0  # the 1-based optimizer step being taken, set by the loop (for messages)
@@ -109,7 +115,7 @@ class Strategy:
         self.skipped = False
         if self.nan_guard == "off" or bool(torch.isfinite(norm)):
             return False
-        from llmpipe.train import debug
+        from llmpipe import debug
 
         names = debug.nonfinite([(n, p.grad) for n, p in self.named_parameters()])
         if self.nan_guard == "stop":

@@ -30,8 +30,8 @@ from llmpipe.checkpoint.dcp import DCP_DIR, save_state
 from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama.parallelize import apply_fsdp
+from llmpipe.optim import build_optimizer
 from llmpipe.parallel.base import TorchOptimizerStrategy
-from llmpipe.train.loop import build_optimizer
 
 TRAINER = "trainer_state.pt"
 

@@ -36,13 +36,14 @@ from torch.distributed.tensor import DTensor
 from llmpipe.checkpoint.dcp import DCP_DIR, save_state
 from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.trust import SafeReader
+from llmpipe.models.llama.hf import pretrained
 from llmpipe.models.llama.model import ModelArgs, Transformer
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
+from llmpipe.optim import build_optimizer
 from llmpipe.parallel import mesh as mesh_mod
 from llmpipe.parallel import pipeline, tensor_parallel
 from llmpipe.parallel.base import Strategy, token_loss_sum
 from llmpipe.parallel.fsdp import mixed_precision
-from llmpipe.train.schedule import lr_factor, peak_lr, warmup_steps
 
 log = logging.getLogger("llmpipe.train")
 
@@ -100,7 +101,7 @@ class ModelParallelStrategy(Strategy):
         self.parts = [self._build_part(s, n_stages, splits[s]) for s in self.stage_ids]
         self.module = nn.ModuleList(self.parts)  # for train()/eval(); forward goes through the parts
         self.accum, self.max_grad_norm = t.grad_accum_steps, t.optim.clip_grad_norm
-        self.opts, self.scheds = zip(*(self._optimizer(p) for p in self.parts))
+        self.opts, self.scheds = zip(*(build_optimizer(p, self.cfg, self.env.world) for p in self.parts))
         self.has_loss = self.dims.pp == 1 or (n_stages - 1) in self.stage_ids
         self.schedule = None
         if self.dims.pp > 1:
@@ -134,25 +135,9 @@ class ModelParallelStrategy(Strategy):
         else:  # ddp; also at dp=1, where it does no communication but applies the precision policy
             apply_replicate(model, dp_mesh, param_dtype, reduce_dtype)
         model.to_empty(device=env.device)
-        init_weights(model, cfg.run.seed)
+        init_weights(model, cfg.run.seed, source=pretrained(cfg.model, self.args))
         model.train()
         return model
-
-    def _optimizer(self, part: nn.Module):
-        """AdamW (decay on matrices only) and the lr schedule, per model part. Parameters are grouped
-        by DTensor mesh as well, since foreach kernels take one mesh per call."""
-        o, s = self.cfg.train.optim, self.cfg.train.schedule
-        groups: dict[tuple, list[nn.Parameter]] = {}
-        for p in part.parameters():
-            mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
-            groups.setdefault((p.ndim >= 2, mesh), []).append(p)
-        opt = torch.optim.AdamW([{"params": ps, "weight_decay": o.weight_decay if decay else 0.0}
-                                 for (decay, _), ps in groups.items()],
-                                lr=peak_lr(self.cfg, self.env.world), betas=tuple(o.betas), eps=o.eps, foreach=True)
-        total, warmup = self.cfg.train.max_steps, warmup_steps(self.cfg)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda step: lr_factor(step, warmup, total, s.decay, s.min_lr_ratio))
-        return opt, sched
 
     # -- data -----------------------------------------------------------------------------------------
 
@@ -221,6 +206,9 @@ class ModelParallelStrategy(Strategy):
 
     def lr(self) -> float:
         return self.opts[0].param_groups[0]["lr"]
+
+    def optimizers(self) -> list[tuple[Any, Any]]:
+        return list(zip(self.opts, self.scheds))
 
     # -- checkpoints ----------------------------------------------------------------------------------
 

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from llmpipe.checkpoint import io as ckpt
+from llmpipe.optim import peak_lr
 from llmpipe.parallel.base import Strategy
-from llmpipe.train.schedule import peak_lr
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside each llmpipe checkpoint folder
 _NEVER = 1 << 62  # steps_per_print: llmpipe logs progress itself
@@ -193,6 +193,11 @@ class ZeroStrategy(Strategy):
 
     def lr(self) -> float:
         return self.engine.get_lr()[0]
+
+    flat_param_groups = True
+
+    def optimizers(self) -> list[tuple[Any, Any]]:
+        return [(self.engine.optimizer, self.engine.lr_scheduler)]
 
     def loss_scale(self) -> float | None:
         if self.env.precision != "fp16":

@@ -19,17 +19,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from llmpipe import debug
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.config import RunConfig
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.data.shards import TokenShard
 from llmpipe.models.llama import Transformer, model_args
+from llmpipe.models.llama.hf import pretrained
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing
+from llmpipe.optim import build_optimizer, peak_lr
 from llmpipe.parallel import build_strategy
-from llmpipe.train import debug, profile
+from llmpipe.train import profile
 from llmpipe.train.metrics import MetricsWriter
-from llmpipe.train.schedule import lr_factor, peak_lr, warmup_steps
 
 log = logging.getLogger("llmpipe.train")
 
@@ -73,25 +75,9 @@ def build_model(cfg: RunConfig, vocab_size: int, env: Env):
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
     model.to_empty(device=env.device)
-    model.init_weights(seed=cfg.run.seed)
+    model.init_weights(seed=cfg.run.seed, source=pretrained(cfg.model, args))
     model.train()
     return args, model
-
-
-def build_optimizer(model: torch.nn.Module, cfg: RunConfig):
-    """AdamW with weight decay on matrices only (not on norms), and the lr schedule (peak lr scaled by
-    the global batch and warm-up in micro-batches when the config asks, llmpipe.train.schedule)."""
-    o, s = cfg.train.optim, cfg.train.schedule
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=peak_lr(cfg, world), betas=tuple(o.betas), eps=o.eps, foreach=True)
-    total, warmup = cfg.train.max_steps, warmup_steps(cfg)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda step: lr_factor(step, warmup, total, s.decay, s.min_lr_ratio))
-    return opt, sched
 
 
 def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.device):
@@ -149,7 +135,7 @@ def _trainer_state(step: int, consumed: int) -> dict[str, Any]:
 
 def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     r = cfg.train.checkpoint.resume
-    if r is False or r == "false":
+    if r is False or r in ("false", "never"):
         return None
     if r is True or r == "auto":
         return ckpt.latest_valid(ckpt_root)
@@ -160,15 +146,34 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     return folder
 
 
-def _restore(folder: Path, strategy) -> tuple[int, int]:
+def _restore(folder: Path, strategy, cfg: RunConfig) -> tuple[int, int]:
     meta = ckpt.read_meta(folder)
     if meta.get("format") != strategy.format:
         raise ValueError(f"train.checkpoint.resume: {folder} has format {meta.get('format')!r}, but "
                          f"train.parallel.data={strategy.format!r} needs {strategy.format!r}")
     state = strategy.read_checkpoint(folder)
     torch.set_rng_state(state["torch_rng"].cpu())
+    retune(strategy, cfg)
     log.info("resumed from %s (step %d)", folder, state["step"])
     return int(state["step"]), int(state["consumed_samples"])
+
+
+def retune(strategy, cfg: RunConfig) -> None:
+    """After loading a checkpoint, the optimizer's hyperparameters and the lr schedule are this run's
+    config's, not the checkpoint's: a warm start may have changed lr, betas, weight decay or the
+    horizon (max_steps). For an unchanged config this recomputes the very values the checkpoint
+    holds (the same expression LambdaLR uses), so an exact resume stays exact."""
+    o = cfg.train.optim
+    peak = peak_lr(cfg, dist.get_world_size() if dist.is_initialized() else 1)
+    for opt, sched in strategy.optimizers():
+        sched.base_lrs = [peak] * len(opt.param_groups)
+        for group, factor in zip(opt.param_groups, sched.lr_lambdas):
+            # decay groups: matrices (llmpipe's rule); ZeRO's flat partitions keep what they had
+            decays = (group["weight_decay"] > 0 if strategy.flat_param_groups
+                      else any(p.ndim >= 2 for p in group["params"]))
+            group.update(betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay if decays else 0.0,
+                         initial_lr=peak, lr=peak * factor(sched.last_epoch))
+        sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
 def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
@@ -250,7 +255,7 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     start, consumed = 0, 0
     folder = _resume_folder(cfg, Path(out_dir) / "checkpoints")
     if folder is not None:
-        start, consumed = _restore(folder, strategy)
+        start, consumed = _restore(folder, strategy, cfg)
     if env.main:
         (Path(out_dir) / "model_config.json").write_text(json.dumps({"model": args.to_dict()}, indent=2) + "\n")
     writer = MetricsWriter(Path(out_dir), enabled=env.main, resume_step=start)
@@ -362,6 +367,8 @@ class _Loop:
                 if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
                     _save(saver, done, consumed, self.strategy, self.args, env, self.writer)
                 prof.step()
+            if t.max_steps == 0 and start == 0:  # max_steps 0: the initial (e.g. pretrained) weights as they are
+                _save(saver, 0, consumed, self.strategy, self.args, env, self.writer)
         saver.wait()  # the last asynchronous save
         val = self._eval(t.max_steps) if t.max_steps > start else val0
         steady = tok_s_hist[1:] or tok_s_hist

@@ -14,6 +14,7 @@ from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
 from llmpipe.train import metrics as metrics_mod
+from llmpipe.train import warm
 from llmpipe.train.launch import TORCHRUN_LOGS, deepspeed_argv, run_streaming, torchrun_argv
 
 log = logging.getLogger("llmpipe.train")
@@ -83,7 +84,8 @@ def run(ctx: StageContext) -> StageResult:
     data_dir = ctx.inputs["prepare_data"][0]
     check_layout(cfg, data_dir)
     config_path = out / "config.yaml"
-    config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    tree, warm_start = warm.prepare(ctx)  # an earlier attempt's checkpoint to continue from, if any
+    config_path.write_text(yaml.safe_dump(tree, sort_keys=False))
     argv = _launch_argv(cfg, config_path, data_dir, out)
     log.info("launching: %s", " ".join(argv))
     env, agent_file = _env(cfg), None
@@ -101,7 +103,7 @@ def run(ctx: StageContext) -> StageResult:
     return StageResult(
         outputs={"checkpoint": final.relative_to(out).as_posix(), "metrics": metrics_mod.METRICS,
                  "model_config": "model_config.json", "summary": "summary.json", "config": "config.yaml"},
-        metrics=_summary_metrics(out),
+        metrics={**_summary_metrics(out), **({"warm_start": warm_start} if warm_start else {})},
     )
 
 

@@ -63,7 +63,7 @@ CONFIG_CASES = [
     ("train.optim.lr", -1e-3, "train.optim.lr: Input should be greater than 0"),
     ("train.optim.betas", [0.9], "train.optim.betas"),
     ("train.optim.weight_decay", "lots", "train.optim.weight_decay: Input should be a valid number"),
-    ("train.schedule.decay", "step", "train.schedule.decay: Input should be 'cosine', 'linear' or 'constant'"),
+    ("train.schedule.decay", "step", "train.schedule.decay: Input should be 'cosine', 'linear', 'constant' or 'wsd'"),
     ("train.schedule.min_lr_ratio", 2, "train.schedule.min_lr_ratio: Input should be less than or equal to 1"),
     ("train.precision.dtype", "int4", "train.precision.dtype: Input should be"),
     ("train.checkpoint.keep_last", 0, "train.checkpoint.keep_last: Input should be greater than or equal to 1"),

@@ -20,7 +20,7 @@ def test_tiny_config_loads_and_overrides_apply():
 
 @pytest.mark.parametrize("override,expected", [
     ("train.max_steps=abc", "train.max_steps: Input should be a valid integer"),
-    ("train.max_steps=0", "train.max_steps: Input should be greater than or equal to 1"),
+    ("train.max_steps=-1", "train.max_steps: Input should be greater than or equal to 0"),
     ("train.bogus=1", "train.bogus: unknown key"),
     ("bogus.x=1", "bogus: unknown key"),
     ("train.precision.dtype=fp8", "train.precision.dtype: Input should be 'auto', 'fp32', 'bf16' or 'fp16'"),

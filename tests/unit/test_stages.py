@@ -91,7 +91,7 @@ def test_cli_bad_input_is_one_line_and_nonzero(tmp_path, capsys):
     assert not (tmp_path / "artifacts" / "tiny").exists()
     assert cli.main(["stage", "prepare_data", str(cfg_path), "--set", "train.max_steps=-1"]) == 2
     assert capsys.readouterr().err.strip() == \
-        f"error: {cfg_path}: train.max_steps: Input should be greater than or equal to 1 (got -1)"
+        f"error: {cfg_path}: train.max_steps: Input should be greater than or equal to 0 (got -1)"
 
 
 def test_cli_stage_and_status(tmp_path, capsys):

@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.data.sampler import GlobalBatchSampler
+from llmpipe.optim import build_optimizer, lr_factor
 from llmpipe.train import metrics
-from llmpipe.train.loop import build_optimizer, train
-from llmpipe.train.schedule import lr_factor
+from llmpipe.train.loop import train
 from tests.conftest import losses as _losses
 from tests.conftest import make_cfg
 
@@ -116,7 +116,7 @@ def test_activation_checkpointing_gives_identical_losses(tmp_path, data_dir):
 
 
 def test_linear_lr_scaling_against_a_reference_batch(tmp_path):
-    from llmpipe.train.schedule import peak_lr
+    from llmpipe.optim import peak_lr
 
     cfg = make_cfg(tmp_path, train__micro_batch_size=4, train__grad_accum_steps=8,
                    train__optim={"lr": 3e-4, "lr_reference_batch": 256})
@@ -131,7 +131,7 @@ def test_linear_lr_scaling_against_a_reference_batch(tmp_path):
 
 
 def test_warmup_in_micro_batches_is_divided_by_accumulation(tmp_path):
-    from llmpipe.train.schedule import warmup_steps
+    from llmpipe.optim import warmup_steps
 
     steps = make_cfg(tmp_path, train__grad_accum_steps=8, train__schedule={"warmup_steps": 2000})
     micro = make_cfg(tmp_path, train__grad_accum_steps=8,
@@ -140,3 +140,11 @@ def test_warmup_in_micro_batches_is_divided_by_accumulation(tmp_path):
     odd = make_cfg(tmp_path, train__grad_accum_steps=3,
                    train__schedule={"warmup_steps": 10, "warmup_unit": "micro_batches"})
     assert warmup_steps(odd) == 4  # rounded up
+
+
+def test_wsd_holds_the_peak_until_its_decay_and_a_longer_horizon_only_moves_the_decay():
+    f = [lr_factor(s, 2, 12, "wsd", 0.1, 0.25) for s in range(12)]
+    assert f[:9] == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # warm-up, then exactly the peak
+    assert f[-1] == pytest.approx(0.1) and all(a > b for a, b in zip(f[8:], f[9:]))
+    short = [lr_factor(s, 2, 8, "wsd", 0.1, 0.25) for s in range(8)]  # decays from step 6
+    assert short[:6] == f[:6] and short[6] < 1.0

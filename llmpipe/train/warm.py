@@ -1,0 +1,167 @@
+"""Warm start: a new train attempt continues from an earlier attempt's checkpoint.
+
+When the train stage runs again because a result-defining field changed (lr, max_steps, the global
+batch...) and its own folder holds no checkpoint yet, the newest verified checkpoint of an earlier
+attempt of the same run is the starting point, provided the model architecture and the data
+(prepare_data's content digest) are unchanged and the checkpoint's format loads under the new layout.
+Earlier attempts are the stage's completed folder (02_train) and the folders kept under
+superseded/; each holds `attempt.json` (written at launch: the data digest and the config it ran).
+
+Carried over: weights, optimizer state, data position (consumed samples), RNG state; the optimizer
+hyperparameters and the lr schedule come from the new config (llmpipe.train.loop.retune).
+With schedule.decay=wsd on both sides, only a checkpoint from the old run's stable phase is used, so
+raising max_steps gives exactly the run that had planned the longer horizon.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from llmpipe import attempts
+from llmpipe import config as config_mod
+from llmpipe.checkpoint import io as ckpt
+
+log = logging.getLogger("llmpipe.train")
+
+ATTEMPT = "attempt.json"
+CARRIED = ["weights", "optimizer state", "data position (consumed samples)", "RNG state"]
+
+
+@dataclass
+class WarmStart:
+    checkpoint: Path
+    step: int
+    source: Path  # the earlier attempt's folder
+    changed: dict[str, list]  # dotted field -> [old, new], every field that differs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"checkpoint": str(self.checkpoint), "step": self.step, "source": str(self.source),
+                "changed": self.changed, "carried_over": CARRIED}
+
+    def describe(self) -> str:
+        shown = ", ".join(f"{k} {a!r} -> {b!r}" for k, (a, b) in list(self.changed.items())[:12])
+        more = f" (+{len(self.changed) - 12} more)" if len(self.changed) > 12 else ""
+        return (f"warm start from {self.checkpoint} (step {self.step}): changed {shown or 'nothing'}{more}; "
+                f"carried over {', '.join(CARRIED)}; lr schedule and optimizer settings from the new config")
+
+
+def checkpoint_format(cfg: config_mod.RunConfig) -> str:
+    """The checkpoint format the layout writes and reads (each strategy's `format`)."""
+    p = cfg.train.parallel
+    if p.tp > 1 or p.pp > 1 or p.data == "fsdp":
+        return "dcp"
+    return "deepspeed" if p.data == "zero" else "full"
+
+
+def write_attempt(work_dir: Path, cfg: config_mod.RunConfig, data_digest: str) -> None:
+    (Path(work_dir) / ATTEMPT).write_text(json.dumps({"data": data_digest, "config": cfg.to_dict()}, indent=2)
+                                          + "\n")
+
+
+def diff(old: Any, new: Any, prefix: str = "") -> dict[str, list]:
+    """{dotted path: [old, new]} of every leaf that differs between two config trees."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        out: dict[str, list] = {}
+        for k in sorted(set(old) | set(new)):
+            out.update(diff(old.get(k), new.get(k), f"{prefix}{k}."))
+        return out
+    return {} if old == new else {prefix.rstrip("."): [old, new]}
+
+
+def _candidates(run_dir: Path, stage_folder: Path) -> list[Path]:
+    found = [stage_folder] if stage_folder.is_dir() else []
+    return found + [k.path for k in attempts.kept(run_dir, attempts.SUPERSEDED, stage_folder.name)]
+
+
+def _why_not(source: Path, cfg, model: dict, data_digest: str, world: int) -> tuple[str | None, dict]:
+    """Why an earlier attempt cannot seed this one (None if it can), and its recorded attempt."""
+    try:
+        attempt = json.loads((source / ATTEMPT).read_text())
+        old_model = json.loads((source / "model_config.json").read_text())["model"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "it records no attempt.json/model_config.json", {}
+    if attempt.get("data") != data_digest:
+        return "its data (tokenizer and shards) differ", attempt
+    if old_model != model:
+        return "its model architecture differs", attempt
+    return None, attempt
+
+
+def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path, int] | None:
+    """Newest verified checkpoint of `source` usable here: not past the new max_steps, in the format
+    the new layout reads (ZeRO partitions: same world size) and, wsd on both sides, from the stable phase."""
+    from llmpipe.optim import stable_until
+
+    limit = cfg.train.max_steps
+    try:
+        old_cfg = config_mod.from_dict(attempt["config"], source=str(source / ATTEMPT), check="fields")
+    except (config_mod.ConfigError, KeyError):
+        old_cfg = None
+    if old_cfg is not None and cfg.train.schedule.decay == "wsd" and old_cfg.train.schedule.decay == "wsd":
+        limit = min(limit, stable_until(old_cfg) or limit)
+    want = checkpoint_format(cfg)
+    for folder in reversed(ckpt.list_steps(source / "checkpoints")):
+        try:
+            meta = ckpt.read_meta(folder)
+        except (OSError, ValueError):
+            continue
+        if meta.get("step", 0) > limit or meta.get("format") != want:
+            continue
+        if want == "deepspeed" and meta.get("world_size") != world:
+            continue
+        if ckpt.verify(folder) is None:
+            return folder, int(meta["step"])
+        log.warning("checkpoint %s does not verify; not used for a warm start", folder)
+    return None
+
+
+def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str, world: int) -> WarmStart | None:
+    """The warm start for this attempt, or None (its own checkpoints come first; resume must be auto)."""
+    resume = cfg.train.checkpoint.resume
+    if not (resume is True or resume == "auto") or ckpt.latest_valid(Path(work_dir) / "checkpoints"):
+        return None
+    new_tree = cfg.to_dict()
+    for source in _candidates(cfg.run_dir(), stage_folder):
+        problem, attempt = _why_not(source, cfg, model, data_digest, world)
+        picked = None if problem else _pick_checkpoint(source, cfg, attempt, world)
+        if picked is None:
+            log.info("no warm start from %s: %s", source,
+                     problem or f"no verified {checkpoint_format(cfg)} checkpoint usable at max_steps "
+                     f"{cfg.train.max_steps} (format, world size or wsd stable phase)")
+            continue
+        return WarmStart(picked[0], picked[1], source, diff(attempt.get("config", {}), new_tree))
+    return None
+
+
+WARM_START = "warm_start.json"  # in the train folder: where this training started from
+
+
+def prepare(ctx) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """For the train stage: the config tree to hand the ranks (with resume pointing at the warm-start
+    checkpoint when there is one) and the warm-start record of this training, if any."""
+    from llmpipe.config_checks import launch_world
+    from llmpipe.models.llama import model_args
+
+    cfg, out = ctx.cfg, Path(ctx.work_dir)
+    data_dir, data_manifest = ctx.inputs["prepare_data"]
+    digest = data_manifest.content_digest()
+    write_attempt(out, cfg, digest)
+    tree = cfg.to_dict()
+    vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
+    model = model_args(cfg.model, vocab_size=vocab).to_dict()
+    world = (launch_world(cfg) or (cfg.train.nproc_per_node, 1))[0]
+    from llmpipe.stages import stage_dir
+
+    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest, world)
+    if found is not None:
+        log.info("%s", found.describe())
+        tree["train"]["checkpoint"]["resume"] = str(found.checkpoint)
+        (out / WARM_START).write_text(json.dumps(found.to_dict(), indent=2, default=str) + "\n")
+    try:
+        return tree, json.loads((out / WARM_START).read_text())
+    except (OSError, ValueError):
+        return tree, None
