@@ -94,6 +94,17 @@ def check_model(cfg: RunConfig) -> None:
     args = _model_args(cfg)
     if cfg.data.seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    if cfg.model.init_from:  # Mistral's sliding window equals full attention only within the window
+        from llmpipe.models.llama import hf
+
+        try:
+            window = hf.read_config(cfg.model.init_from)[1]["sliding_window"]
+            hf.pretrained(cfg.model, args)  # every weight present, shaped as config.json says (headers only)
+        except hf.HFFolderError as err:
+            raise ConfigError(f"model.init_from: {err}") from None
+        if window is not None and cfg.data.seq_len > window:
+            raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.init_from's sliding_window={window}, "
+                              "which llmpipe's full attention does not implement")
     p = cfg.train.parallel
     _validate_layout(cfg, args, (p.dp or 1) * p.tp * p.pp)
 

@@ -25,6 +25,16 @@ _PEAK_TFLOPS = {
     ("cpu", "bf16"): 0.5, ("cpu", "fp16"): 0.5, ("cpu", "fp32"): 0.5,
 }
 
+# What `llmpipe plan` sizes for when not told otherwise: the Ascend 910B (64 GiB of HBM).
+PLAN_DEVICE = "Ascend 910B"
+PLAN_MEMORY_GIB = 64.0
+
+
+def plan_peak_tflops(precision: str) -> float:
+    """The planning device's dense peak TFLOPS for `precision` (fp32, bf16, fp16)."""
+    return _PEAK_TFLOPS[("npu", precision)]
+
+
 _ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "npu": "CANNExecutionProvider"}
 
 

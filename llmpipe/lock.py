@@ -16,12 +16,14 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from llmpipe.errors import UserError
+
 log = logging.getLogger("llmpipe.lock")
 
 LOCK = ".lock"
 
 
-class LockError(RuntimeError):
+class LockError(UserError, RuntimeError):
     """The run folder is in use by another live process."""
 
 

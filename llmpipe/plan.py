@@ -23,6 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, replace
 
+from llmpipe import device
 from llmpipe.config import ConfigError, RunConfig
 from llmpipe.models.llama.flavors import model_args
 from llmpipe.models.llama.model import ModelArgs
@@ -32,10 +33,10 @@ GIB = 1 << 30
 MIB = 1 << 20
 ALPHA_S = 50e-6  # assumed latency per collective (one gradient bucket) for the latency term
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal budget
-DEFAULT_MEMORY_GIB = 64.0  # the Ascend 910B's HBM
+DEFAULT_MEMORY_GIB = device.PLAN_MEMORY_GIB  # the planning device's memory (llmpipe.device)
 # Dense peak TFLOPS per device when neither --peak-tflops nor train.peak_tflops is given: the
-# Ascend 910B's figures (the same as llmpipe.device's table), the device the memory default is for.
-DEFAULT_PEAK_TFLOPS = {"fp32": 78.0, "bf16": 313.0, "fp16": 313.0}
+# planning device's figures, from llmpipe.device's table (the device the memory default is for).
+DEFAULT_PEAK_TFLOPS = {p: device.plan_peak_tflops(p) for p in ("fp32", "bf16", "fp16")}
 DAY_S = 86400.0
 YEAR_S = 365.25 * DAY_S
 

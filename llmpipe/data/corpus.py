@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from llmpipe.data.errors import DataError
 from llmpipe.data.tokenizer import PIECE_CHARS, cut_point, split_text
-from llmpipe.stages import StageError
 
 log = logging.getLogger("llmpipe.data")
 
@@ -165,7 +165,7 @@ def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs
     """Files matched by `patterns` (recursive ** allowed), absolute, sorted, each file once.
 
     A file reached by several paths (symlinks, overlapping patterns) is kept once, under the first
-    of its paths in sorted order. Raises StageError naming `data.inputs[i]` when a pattern matches
+    of its paths in sorted order. Raises DataError naming `data.inputs[i]` when a pattern matches
     no file. `max_files` keeps the first N in sorted order, so a capped run reads the same files.
     """
     walk = _Glob()
@@ -180,7 +180,7 @@ def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs
                 by_real[real] = min(path, by_real.get(real, path))
         if not matched:
             shown = repr(pattern) if expanded == pattern else f"{pattern!r} (-> {expanded!r})"
-            raise StageError(f"data.inputs[{i}]: {shown} matched no files")
+            raise DataError(f"data.inputs[{i}]: {shown} matched no files")
     files = [Path(p) for p in sorted(by_real.values())]
     if max_files is not None and len(files) > max_files:
         log.info("data.max_files=%d: reading %d of %d matched files", max_files, max_files, len(files))
@@ -348,7 +348,7 @@ class Corpus:
                 stats.documents += 1
                 yield from _marked(_text_pieces(path, self.piece_chars))
         except (OSError, UnicodeDecodeError) as err:  # it passed the check: it changed, or the disk failed
-            raise StageError(f"data.inputs: {path}: read failed after it was checked, changed while being "
+            raise DataError(f"data.inputs: {path}: read failed after it was checked, changed while being "
                              f"read? ({getattr(err, 'strerror', None) or err})") from None
         if not docs:
             stats.skip(path, f"no usable records with a {self.text_field!r} string")
@@ -366,7 +366,7 @@ def fingerprint_extra(cfg) -> dict[str, Any]:
     h = hashlib.sha256()
     try:
         files = expand_inputs(cfg.data.inputs, cfg.data.max_files)
-    except StageError as err:
+    except DataError as err:
         return {"inputs_error": str(err)}
     if cfg.data.tokenizer.path:
         files.append(Path(cfg.data.tokenizer.path))

@@ -23,10 +23,11 @@ from tqdm import tqdm
 
 from llmpipe.config import DataSection
 from llmpipe.data.corpus import Corpus, CorpusStats, Piece, find_inputs
+from llmpipe.data.errors import DataError
 from llmpipe.data.shards import ShardWriter, token_dtype
 from llmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from llmpipe.manifest import write_json_atomic
-from llmpipe.stages import StageContext, StageError, StageResult
+from llmpipe.stages import StageContext, StageResult
 
 log = logging.getLogger("llmpipe.data")
 
@@ -52,7 +53,7 @@ def _show_progress() -> bool:
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     """Mask over documents, True = validation: max(1, round(fraction * n)) of them, by a seeded shuffle."""
     if n_docs < 2:
-        raise StageError(f"data.inputs: the corpus has {n_docs} document; need at least 2 "
+        raise DataError(f"data.inputs: the corpus has {n_docs} document; need at least 2 "
                          "(one goes to validation)")
     n_val = max(1, round(val_fraction * n_docs))
     is_val = np.zeros(n_docs, dtype=bool)
@@ -74,9 +75,9 @@ def _chunks(pieces: Iterable[Piece], max_pieces: int = CHUNK_DOCS,
         yield chunk
 
 
-def _changed(done: int, n_docs: int) -> StageError:
+def _changed(done: int, n_docs: int) -> DataError:
     how = f"more than the {n_docs}" if done > n_docs else f"{done} documents, not the {n_docs}"
-    return StageError(f"data.inputs: the corpus changed while being read ({how} documents of the first pass)")
+    return DataError(f"data.inputs: the corpus changed while being read ({how} documents of the first pass)")
 
 
 def tokenize_to_shards(pieces: Iterable[Piece], tok: Tokenizer, eos: int, is_val: np.ndarray, out_dir: Path,
@@ -132,12 +133,12 @@ def _tokenizer(corpus: Corpus, data: DataSection, out: Path) -> tuple[Tokenizer,
     path = Path(cfg.path).expanduser()
     try:
         tok = load_tokenizer(path)  # its message starts with the path
-    except StageError as err:
-        raise StageError(f"data.tokenizer.path: {err}") from None
+    except DataError as err:
+        raise DataError(f"data.tokenizer.path: {err}") from None
     try:
         eos = eos_id(tok, cfg.eos_token)
-    except StageError as err:
-        raise StageError(f"data.tokenizer.path: {path}: {err}") from None
+    except DataError as err:
+        raise DataError(f"data.tokenizer.path: {path}: {err}") from None
     shutil.copyfile(path, out)
     for _ in corpus.pieces():  # first pass only counts documents, so the split is known before tokenizing
         pass
@@ -147,7 +148,7 @@ def _tokenizer(corpus: Corpus, data: DataSection, out: Path) -> tuple[Tokenizer,
 def _check_corpus(stats: CorpusStats, n_files: int) -> None:
     if stats.documents == 0:
         examples = "; ".join(f"{s['path']}: {s['reason']}" for s in stats.skipped[:3]) or "no documents"
-        raise StageError(f"data.inputs: no usable documents in {n_files} file(s) (e.g. {examples})")
+        raise DataError(f"data.inputs: no usable documents in {n_files} file(s) (e.g. {examples})")
     if stats.files_skipped:
         shown = "; ".join(f"{Path(s['path']).name}: {s['reason']}" for s in stats.skipped[:3])
         log.warning("skipped %d file(s), e.g. %s", stats.files_skipped, shown)
@@ -162,7 +163,7 @@ def _check_samples(meta: dict[str, Any], data: DataSection) -> None:
     for split in ("train", "val"):
         if meta[f"{split}_samples"] < 1:
             tokens = meta[f"{split}_tokens"]
-            raise StageError(f"data.seq_len: the {split} split has {tokens} tokens, fewer than one sample "
+            raise DataError(f"data.seq_len: the {split} split has {tokens} tokens, fewer than one sample "
                              f"of seq_len+1 = {need}; {advice[split]}")
 
 

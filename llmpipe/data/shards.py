@@ -17,14 +17,14 @@ from types import TracebackType
 
 import numpy as np
 
-from llmpipe.stages import StageError
+from llmpipe.data.errors import DataError
 
 MAGIC = b"LLMPIDX1"
 _HEADER = struct.Struct("<8sBQQ")  # magic, dtype code, n_tokens, n_docs: 25 bytes, no padding
 DTYPES = {2: np.dtype("<u2"), 4: np.dtype("<u4")}  # code = bytes per token
 
 
-class ShardError(StageError):
+class ShardError(DataError):
     """A .bin/.idx pair is missing, truncated or not in this format."""
 
 

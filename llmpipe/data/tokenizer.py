@@ -13,7 +13,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from llmpipe.stages import StageError
+from llmpipe.data.errors import DataError
 
 # Longest piece of text handed to the tokenizer at once. Its cost is about 100 bytes per character
 # while encoding (tokens, offsets, pre-token splits) and the trainer buffers up to 256 items from the
@@ -50,22 +50,22 @@ def train_tokenizer(documents: Iterable[str], vocab_size: int, min_frequency: in
 
 
 def load_tokenizer(path: str | Path) -> Tokenizer:
-    """Load a tokenizer.json; StageError with the path when it is missing or not a tokenizer."""
+    """Load a tokenizer.json; DataError with the path when it is missing or not a tokenizer."""
     path = Path(path)
     if not path.is_file():
-        raise StageError(f"{path}: tokenizer file not found")
+        raise DataError(f"{path}: tokenizer file not found")
     try:
         return Tokenizer.from_file(str(path))
     except Exception as err:  # tokenizers raises a bare Exception for a malformed file
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise StageError(f"{path}: not a valid tokenizer.json ({first})") from None
+        raise DataError(f"{path}: not a valid tokenizer.json ({first})") from None
 
 
 def eos_id(tok: Tokenizer, eos_token: str) -> int:
-    """The id of `eos_token`; StageError when the tokenizer does not have it as one token."""
+    """The id of `eos_token`; DataError when the tokenizer does not have it as one token."""
     tid = tok.token_to_id(eos_token)
     if tid is None:
-        raise StageError(f"tokenizer has no token {eos_token!r} (data.tokenizer.eos_token); "
+        raise DataError(f"tokenizer has no token {eos_token!r} (data.tokenizer.eos_token); "
                          "use a tokenizer that has it or set eos_token to one of its special tokens")
     return tid
 

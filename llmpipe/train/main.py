@@ -121,7 +121,7 @@ _SIGTERM_OUT = None
 
 def _user_error(err: BaseException) -> bool:
     """A mistake the user can fix (config, data, a diverged run): one line, no traceback."""
-    from llmpipe.train.debug import ReplicaMismatch
+    from llmpipe.debug import ReplicaMismatch
 
     return isinstance(err, (ValueError, config_mod.ConfigError, FloatingPointError, ReplicaMismatch))
 

@@ -1,7 +1,7 @@
 """The troubleshooting switches (train.debug), each triggered on purpose on 2 gloo ranks: a NaN
 injected into a gradient (guard stops naming it, or skips the update), a rank's parameters or
 gradients made to differ (the replica checks name them), and the fp16 loss-scale watch. The faults
-come from llmpipe.train.debug's test-only environment hooks."""
+come from llmpipe.debug's test-only environment hooks."""
 
 from __future__ import annotations
 

@@ -13,10 +13,11 @@ import pytest
 from llmpipe.config import from_dict
 from llmpipe.data import prepare
 from llmpipe.data.corpus import Corpus, expand_inputs, expand_pattern
+from llmpipe.data.errors import DataError
 from llmpipe.data.shards import ShardError, ShardWriter, TokenShard, token_dtype, write_shard
 from llmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
 from llmpipe.manifest import Manifest
-from llmpipe.stages import StageContext, StageError, run_stage, stage_dir
+from llmpipe.stages import StageContext, run_stage, stage_dir
 
 WORDS = ("alpha beta gamma delta epsilon zeta theta iota kappa lambda mu nu xi omicron pi rho sigma tau "
          "upsilon phi chi psi omega def return import class self print while for in if else").split()
@@ -140,9 +141,9 @@ def test_expand_inputs(tmp_path: Path, corpus: Path) -> None:
 
 
 def test_glob_matching_nothing_names_the_field(tmp_path: Path, corpus: Path) -> None:
-    with pytest.raises(StageError, match=r"^data\.inputs\[1\]: .*nope.* matched no files$"):
+    with pytest.raises(DataError, match=r"^data\.inputs\[1\]: .*nope.* matched no files$"):
         expand_inputs([str(corpus / "**" / "*.txt"), str(tmp_path / "nope" / "*.txt")])
-    with pytest.raises(StageError, match=r"^data\.inputs\[0\]: "):
+    with pytest.raises(DataError, match=r"^data\.inputs\[0\]: "):
         _run(tmp_path, _data(corpus, inputs=[str(tmp_path / "*.md")]))
 
 
@@ -183,15 +184,15 @@ def test_tokenizer_trains_deterministically() -> None:
     assert a.to_str() == b.to_str() and a.get_vocab_size() == 300
     assert eos_id(a, EOS) == 0
     assert a.decode(a.encode(docs[0]).ids) == docs[0]  # byte-level: lossless
-    with pytest.raises(StageError, match="no token '<eos>'"):
+    with pytest.raises(DataError, match="no token '<eos>'"):
         eos_id(a, "<eos>")
 
 
 def test_load_tokenizer_errors(tmp_path: Path) -> None:
-    with pytest.raises(StageError, match="not found"):
+    with pytest.raises(DataError, match="not found"):
         load_tokenizer(tmp_path / "none.json")
     (tmp_path / "bad.json").write_text("{}")
-    with pytest.raises(StageError, match="not a valid tokenizer.json"):
+    with pytest.raises(DataError, match="not a valid tokenizer.json"):
         load_tokenizer(tmp_path / "bad.json")
 
 
@@ -253,11 +254,11 @@ def test_existing_tokenizer_is_loaded(tmp_path: Path, corpus: Path) -> None:
 
 
 def test_tokenizer_path_errors(tmp_path: Path, corpus: Path) -> None:
-    with pytest.raises(StageError, match=r"^data\.tokenizer\.path: .*missing\.json: tokenizer file not"):
+    with pytest.raises(DataError, match=r"^data\.tokenizer\.path: .*missing\.json: tokenizer file not"):
         _run(tmp_path, _data(corpus, tokenizer={"path": str(tmp_path / "missing.json")}), work="a")
     tok = train_tokenizer([_text(random.Random(0), 60)] * 2, 280, eos_token="<eos>")
     tok.save(str(tmp_path / "other.json"))
-    with pytest.raises(StageError, match=r"^data\.tokenizer\.path: .*other\.json: tokenizer has no token"):
+    with pytest.raises(DataError, match=r"^data\.tokenizer\.path: .*other\.json: tokenizer has no token"):
         _run(tmp_path, _data(corpus, tokenizer={"path": str(tmp_path / "other.json")}), work="b")
 
 
@@ -265,15 +266,15 @@ def test_empty_corpus_and_too_few_documents(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("")
     (tmp_path / "b.txt").write_bytes(b"\x00\x01")
     no_docs = r"^data\.inputs: no usable documents in 2 file\(s\) \(e\.g\. .*a\.txt: empty"
-    with pytest.raises(StageError, match=no_docs):
+    with pytest.raises(DataError, match=no_docs):
         _run(tmp_path, _data(tmp_path, inputs=[str(tmp_path / "*.txt")]), work="a")
     (tmp_path / "a.txt").write_text(_text(random.Random(0), 200))
-    with pytest.raises(StageError, match="has 1 document; need at least 2"):
+    with pytest.raises(DataError, match="has 1 document; need at least 2"):
         _run(tmp_path, _data(tmp_path, inputs=[str(tmp_path / "*.txt")]), work="b")
 
 
 def test_val_split_too_small(tmp_path: Path, corpus: Path) -> None:
-    with pytest.raises(StageError, match=r"^data\.seq_len: the val split has \d+ tokens, fewer than one "
+    with pytest.raises(DataError, match=r"^data\.seq_len: the val split has \d+ tokens, fewer than one "
                                          r"sample of seq_len\+1 = 4097; raise data\.val_fraction"):
         _run(tmp_path, _data(corpus, seq_len=4096))
 

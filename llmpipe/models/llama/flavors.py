@@ -27,7 +27,24 @@ _OVERRIDABLE = ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "max_seq_
 
 
 def model_args(section, vocab_size: int | None = None) -> ModelArgs:
-    """ModelArgs for a config `model` section (flavor + overrides); vocab from the tokenizer."""
+    """ModelArgs for a config `model` section (flavor + overrides; vocab from the tokenizer), or the
+    architecture of the Hugging Face folder `model.init_from` (its own vocabulary, which the tokenizer
+    must fit in; only max_seq_len may be overridden)."""
+    if getattr(section, "init_from", None):
+        from llmpipe.models.llama import hf
+
+        set_ = [k for k in _OVERRIDABLE if k != "max_seq_len" and getattr(section, k) is not None]
+        if set_:
+            raise ValueError(f"model.{set_[0]}: not with model.init_from (the folder's config.json defines the "
+                             "architecture; only model.max_seq_len may be set)")
+        try:
+            args, _ = hf.read_config(section.init_from, section.max_seq_len)
+        except hf.HFFolderError as err:
+            raise ValueError(f"model.init_from: {err}") from None
+        if vocab_size is not None and vocab_size > args.vocab_size:
+            raise ValueError(f"model.init_from: the tokenizer has {vocab_size} tokens, more than the model's "
+                             f"vocab_size {args.vocab_size} ({section.init_from}/config.json)")
+        return args
     if section.flavor not in FLAVORS:
         raise ValueError(f"model.flavor: unknown flavor {section.flavor!r} (known: {', '.join(FLAVORS)})")
     changes = {k: getattr(section, k) for k in _OVERRIDABLE if getattr(section, k) is not None}

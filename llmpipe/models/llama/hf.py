@@ -5,8 +5,11 @@ Both use the rotate-half RoPE convention, so the mapping is a pure rename (no q/
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
+from llmpipe.errors import UserError
 from llmpipe.models.llama.model import ModelArgs
 
 _TOP = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
@@ -51,7 +54,190 @@ def hf_config(args: ModelArgs, dtype: str, eos_id: int | None = None) -> dict:
         "attention_bias": False, "mlp_bias": False,
         "torch_dtype": {"fp32": "float32", "bf16": "bfloat16"}[dtype],
     }
+    if args.rope_scaling:
+        cfg["rope_scaling"] = dict(args.rope_scaling)
     if eos_id is not None:
         cfg["eos_token_id"] = eos_id
         cfg["bos_token_id"] = eos_id
     return cfg
+
+
+# -- reading a Hugging Face LLaMA-family folder (model.init_from) ------------------------------------
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+CONFIG_JSON, INDEX_JSON, SINGLE = "config.json", "model.safetensors.index.json", "model.safetensors"
+_IGNORED = re.compile(r"^model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq$")  # old checkpoints' buffers
+
+
+class HFFolderError(UserError, ValueError):
+    """A model.init_from folder that llmpipe cannot or will not load; one line naming file and field."""
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise HFFolderError(f"{path}: not found") from None
+    except (OSError, ValueError) as err:
+        raise HFFolderError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise HFFolderError(f"{path}: expected a JSON object")
+    return data
+
+
+def _rope(c: dict, where: Path) -> tuple[float, dict | None]:
+    """(rope_theta, llama3 scaling parameters or None), from either config.json generation:
+    top-level rope_theta + rope_scaling (transformers 4) or rope_parameters (transformers 5)."""
+    params = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    field = "rope_parameters" if c.get("rope_parameters") else "rope_scaling"
+    if not isinstance(params, dict):
+        raise HFFolderError(f"{where}: {field}: expected an object")
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(c.get("rope_theta", params.get("rope_theta", 10000.0)))
+    if params.get("partial_rotary_factor", c.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise HFFolderError(f"{where}: partial_rotary_factor: only 1.0 (full rotary) is supported")
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise HFFolderError(f"{where}: {field}.rope_type: {kind!r} is not supported (default or llama3)")
+    keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+    missing = [k for k in keys if not isinstance(params.get(k), (int, float))]
+    if missing:
+        raise HFFolderError(f"{where}: {field}: llama3 scaling needs {', '.join(missing)}")
+    return theta, {"rope_type": "llama3", **{k: float(params[k]) for k in keys[:3]},
+                   keys[3]: int(params[keys[3]])}
+
+
+def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[ModelArgs, dict]:
+    """ModelArgs for an HF LlamaForCausalLM / MistralForCausalLM folder, and facts the loader needs
+    (tie_word_embeddings, sliding_window). Anything llmpipe's model does not compute the same way is
+    refused with one line naming the field."""
+    where = Path(folder) / CONFIG_JSON
+    c = _read_json(where)
+    archs = c.get("architectures") or []
+    if not (isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES):
+        raise HFFolderError(f"{where}: architectures: {archs!r} is not supported ({' or '.join(ARCHITECTURES)})")
+    for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        if c.get(key, want) != want:
+            raise HFFolderError(f"{where}: {key}: {c[key]!r} is not supported (llmpipe's LLaMA has {want!r})")
+    try:
+        dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+        theta, scaling = _rope(c, where)
+        args = ModelArgs(dim=dim, n_layers=int(c["num_hidden_layers"]), n_heads=heads,
+                         n_kv_heads=int(c.get("num_key_value_heads") or heads), vocab_size=int(c["vocab_size"]),
+                         ffn_dim=int(c["intermediate_size"]),
+                         max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),
+                         rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
+    except KeyError as err:
+        raise HFFolderError(f"{where}: {err.args[0]}: required field is missing") from None
+    except (TypeError, ValueError) as err:
+        raise HFFolderError(f"{where}: {err}") from None
+    if c.get("head_dim") not in (None, args.head_dim):
+        raise HFFolderError(f"{where}: head_dim: {c['head_dim']} differs from hidden_size / num_attention_heads "
+                            f"= {args.head_dim}, which llmpipe's LLaMA assumes")
+    return args, {"tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
+                  "sliding_window": c.get("sliding_window")}
+
+
+class HFWeights:
+    """The safetensors of an HF folder (one file, or shards listed by model.safetensors.index.json),
+    opened memory-mapped; `tensor(name)` reads one llmpipe-named parameter as fp32 on CPU.
+
+    Tied embeddings (tie_word_embeddings) are untied on load: the output head starts as a copy of
+    the embedding and the two are trained (and written by consolidate) separately."""
+
+    def __init__(self, folder: str | Path, args: ModelArgs, tied: bool):
+        from safetensors import safe_open
+
+        self.folder, self.args, self.tied = Path(folder), args, tied
+        files = self._files()
+        self._open = {f: safe_open(str(self.folder / f), framework="pt") for f in sorted(set(files.values()))}
+        self._where = {name: files[name] for name in files if not _IGNORED.match(name)}
+        self._check_names()
+
+    def _files(self) -> dict[str, str]:
+        """HF tensor name -> the file holding it (inside the folder)."""
+        index = self.folder / INDEX_JSON
+        if index.is_file():
+            weight_map = _read_json(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise HFFolderError(f"{index}: weight_map: expected a non-empty object")
+            for f in set(weight_map.values()):
+                p = Path(str(f))
+                if p.is_absolute() or ".." in p.parts or not (self.folder / p).resolve().is_relative_to(
+                        self.folder.resolve()):
+                    raise HFFolderError(f"{index}: weight_map: {f!r} is outside the folder")
+                if not (self.folder / p).is_file():
+                    raise HFFolderError(f"{self.folder / p}: listed in {INDEX_JSON} but missing")
+            return {str(k): str(v) for k, v in weight_map.items()}
+        if not (self.folder / SINGLE).is_file():
+            raise HFFolderError(f"{self.folder}: neither {SINGLE} nor {INDEX_JSON}")
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(self.folder / SINGLE), framework="pt") as f:
+                return dict.fromkeys(f.keys(), SINGLE)
+        except Exception as err:  # safetensors raises its own error types for a bad header
+            raise HFFolderError(f"{self.folder / SINGLE}: not a valid safetensors file ({err})") from None
+
+    def hf_name(self, name: str) -> str:
+        hf = to_hf_name(name)
+        return "model.embed_tokens.weight" if hf == "lm_head.weight" and self.tied and hf not in self._where else hf
+
+    def _check_names(self) -> None:
+        import torch
+
+        from llmpipe.models.llama.model import Transformer
+
+        with torch.device("meta"):
+            expected = {n: tuple(p.shape) for n, p in Transformer(self.args).named_parameters()}
+        wanted = {self.hf_name(n) for n in expected}
+        extra = sorted(set(self._where) - wanted)
+        if extra:
+            raise HFFolderError(f"{self.folder}: weights llmpipe's LLaMA has no place for: {', '.join(extra[:5])}"
+                                f"{' ...' if len(extra) > 5 else ''}")
+        for name, shape in expected.items():
+            hf = self.hf_name(name)
+            if hf not in self._where:
+                raise HFFolderError(f"{self.folder}: weight {hf} is missing")
+            got = tuple(self._open[self._where[hf]].get_slice(hf).get_shape())
+            if got != shape:
+                raise HFFolderError(f"{self.folder / self._where[hf]}: {hf} has shape {list(got)}, config.json "
+                                    f"implies {list(shape)}")
+
+    def tensor(self, name: str):
+        """Parameter `name` (llmpipe naming, wrapper prefixes removed) as fp32 on CPU."""
+        hf = self.hf_name(name)
+        return self._open[self._where[hf]].get_tensor(hf).float()
+
+
+def pretrained(section, args: ModelArgs):
+    """`source` for Transformer.init_weights reading model.init_from's weights (None without it)."""
+    if not getattr(section, "init_from", None):
+        return None
+    _, facts = read_config(section.init_from, section.max_seq_len)
+    return HFWeights(section.init_from, args, facts["tie_word_embeddings"]).tensor
+
+
+def weights_identity(folder: str | Path) -> dict:
+    """What the train fingerprint records of an init_from folder: config.json, the index and every
+    safetensors file's header and size (not a hash of every byte: the header lists every tensor's
+    name, dtype, shape and offsets)."""
+    import hashlib
+
+    folder = Path(folder)
+    h = hashlib.sha256()
+    for p in sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")):
+        h.update(p.name.encode())
+        try:
+            with open(p, "rb") as f:
+                if p.suffix == ".safetensors":
+                    head = f.read(8)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    h.update(head + f.read(min(n, 100 << 20)))
+                    h.update(str(p.stat().st_size).encode())
+                else:
+                    h.update(f.read())
+        except OSError as err:
+            h.update(str(err).encode())
+    return {"init_from": str(folder.resolve()), "identity": h.hexdigest()}

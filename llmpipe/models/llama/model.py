@@ -28,6 +28,9 @@ class ModelArgs:
     max_seq_len: int = 1024
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    # Llama 3.1's frequency scaling: {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; None: plain RoPE.
+    rope_scaling: dict | None = None
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
@@ -76,10 +79,25 @@ def rope_cache(args: ModelArgs, device: torch.device | None = None) -> tuple[tor
     """cos, sin tables, each (max_seq_len, head_dim)."""
     hd = args.head_dim
     inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+    if args.rope_scaling:
+        inv_freq = _llama3_scaled(inv_freq, args.rope_scaling)
     t = torch.arange(args.max_seq_len, device=device, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # (T, hd/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
     return emb.cos(), emb.sin()
+
+
+def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
+    """Llama 3.1's RoPE scaling (as Meta's reference and HF's `_compute_llama3_parameters`): long
+    wavelengths divided by `factor`, short ones kept, a smooth blend between."""
+    factor, low, high, old = (s["factor"], s["low_freq_factor"], s["high_freq_factor"],
+                              s["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    blended = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old / high) * ~(wavelen > old / low)
+    return torch.where(medium, blended, scaled)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +193,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.no_grad()
-    def init_weights(self, seed: int | None = None, assign=None) -> None:
+    def init_weights(self, seed: int | None = None, assign=None, source=None) -> None:
         """(Re)initialise every parameter and buffer in place; works after `to_empty` and on a
         pipeline stage (the layers it holds).
 
@@ -183,13 +201,15 @@ class Transformer(nn.Module):
         (seed, parameter name), so every layout (one process, DDP, FSDP2, tp, pp) starts from bitwise
         the same weights and a rank only draws the parameters it holds. `assign(param, full)` copies
         a full tensor into a parameter (default: `param.copy_(full)`); sharded parameters pass one
-        that copies the local shard (llmpipe.models.llama.parallelize.init_weights).
+        that copies the local shard (llmpipe.models.llama.parallelize.init_weights). `source(name)`,
+        when given, supplies each full tensor instead of drawing it (pretrained weights, model.init_from).
         """
         cos, sin = rope_cache(self.args, device=self.rope_cos.device)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
         for name, p in self.named_parameters():
-            full = init_tensor(self.args, name.replace(_WRAPPED, ""), tuple(p.shape), seed)
+            clean = name.replace(_WRAPPED, "")
+            full = source(clean) if source is not None else init_tensor(self.args, clean, tuple(p.shape), seed)
             (assign or _copy)(p, full)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -128,7 +128,8 @@ def _assign_local_shard(param: torch.Tensor, full: torch.Tensor) -> None:
 
 
 @torch.no_grad()
-def init_weights(model: Transformer, seed: int) -> None:
+def init_weights(model: Transformer, seed: int, source=None) -> None:
     """Initialise a (possibly tensor-parallel, FSDP-sharded, pipeline-cut) model after `to_empty`:
-    each rank fills its shards of the same full tensors a single process would draw."""
-    model.init_weights(seed, assign=_assign_local_shard)
+    each rank fills its shards of the same full tensors a single process would draw, or that
+    `source(name)` reads (pretrained weights, one tensor at a time)."""
+    model.init_weights(seed, assign=_assign_local_shard, source=source)
