@@ -89,8 +89,9 @@ class Saver:
     `save(step, write, meta)` at the same steps, then `wait()` before the end."""
 
     def __init__(self, root: Path, rank: int = 0, world: int = 1, keep_last: int | None = None,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, protect: int | None = None):
         self.root, self.rank, self.world, self.keep_last = Path(root), rank, world, keep_last
+        self.protect = protect  # retention keeps the newest checkpoint at or before this step too
         self.asynchronous = asynchronous
         # NOTE: the background thread's collectives (DCP's and the digest gather) run on a group of
         # their own, so they never interleave with the training's on the default group.
@@ -204,7 +205,7 @@ class Saver:
                 raise
             raise CheckpointError(_failure(job, [{"rank": 0, "error": _one_line(err)}])) from None
         if self.keep_last:
-            prune(self.root, self.keep_last, verified=job.final)
+            prune(self.root, self.keep_last, verified=job.final, protect=self.protect)
 
 
 def _failure(job: _Job, failed: list[dict]) -> str:
@@ -269,12 +270,17 @@ def latest_valid(root: Path) -> Path | None:
     return None
 
 
-def prune(root: Path, keep_last: int, verified: Path | None = None) -> list[Path]:
+def prune(root: Path, keep_last: int, verified: Path | None = None, protect: int | None = None) -> list[Path]:
     """Remove all but the newest `keep_last` checkpoints (only step-NNNNNN folders), and only when
     the newest verifies: `verified` names the one Saver just checked after writing it; any other
-    newest is verified here in full. Returns the folders removed (none when it refused)."""
+    newest is verified here in full. `protect`: also keep the newest checkpoint at or before that
+    step (wsd's last stable-phase checkpoint, where a longer run branches off). Returns the folders
+    removed (none when it refused)."""
     steps = list_steps(root)
     old = steps[:-keep_last]
+    if protect is not None:
+        stable = [p for p in steps if int(_STEP_RE.match(p.name).group(1)) <= protect]
+        old = [p for p in old if not stable or p != stable[-1]]
     if not old:
         return []
     newest = steps[-1]

@@ -28,7 +28,7 @@ from llmpipe.data.shards import TokenShard
 from llmpipe.models.llama import Transformer, model_args
 from llmpipe.models.llama.hf import pretrained
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing
-from llmpipe.optim import build_optimizer, peak_lr
+from llmpipe.optim import build_optimizer, peak_lr, stable_until
 from llmpipe.parallel import build_strategy
 from llmpipe.train import profile
 from llmpipe.train.metrics import MetricsWriter
@@ -184,7 +184,8 @@ def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
         log.info("train.checkpoint.async_save: format %r (train.parallel.data=%s) saves synchronously; "
                  "asynchronous saves need format 'dcp' (data=fsdp, or tp/pp > 1)",
                  strategy.format, cfg.train.parallel.data)
-    return ckpt.Saver(out_dir / "checkpoints", env.rank, env.world, c.keep_last, asynchronous)
+    return ckpt.Saver(out_dir / "checkpoints", env.rank, env.world, c.keep_last, asynchronous,
+                      protect=stable_until(cfg))
 
 
 def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env, writer: MetricsWriter) -> None:

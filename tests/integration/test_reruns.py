@@ -123,8 +123,9 @@ def test_a_failed_run_resumes_on_one_process_after_losing_one_and_deletes_nothin
 
 
 def test_wsd_extension_from_the_stable_phase_equals_the_longer_run_planned_from_the_start(tmp_path):
+    # keep_last 1: retention keeps the last stable-phase checkpoint as well (step 6 of the 8-step run)
     wsd = {"schedule": {"warmup_steps": 2, "decay": "wsd", "decay_fraction": 0.25}, "nproc_per_node": 1,
-           "checkpoint": {"every_steps": 2, "keep_last": 10}}
+           "checkpoint": {"every_steps": 2, "keep_last": 1}}
     planned = _load(_config(tmp_path, "planned", max_steps=12, **wsd))
     for s in ("prepare_data", "train"):
         stages.run_stage(s, planned)
@@ -134,6 +135,8 @@ def test_wsd_extension_from_the_stable_phase_equals_the_longer_run_planned_from_
     shutil.copytree(planned.run_dir() / "01_prepare_data", short.run_dir() / "01_prepare_data")  # same data
     assert stages.run_stage("prepare_data", short)[1] is False
     stages.run_stage("train", short)  # decays from step 6 (8 - ceil(0.25 x 8))
+    assert [p.name for p in ckpt.list_steps(short.run_dir() / "02_train" / "checkpoints")] == \
+        ["step-000006", "step-000008"]
     manifest, executed = stages.run_stage("train", _load(short_path, "train.max_steps=12"))
     assert executed and manifest.metrics["warm_start"]["step"] == 6  # the stable phase's last checkpoint
     a = load_file(str(planned.run_dir() / "02_train" / "checkpoints" / "step-000012" / "model.safetensors"))

@@ -61,6 +61,13 @@ def test_prune_refuses_while_the_newest_checkpoint_does_not_verify(tmp_path):
     assert [p.name for p in ckpt.prune(tmp_path, 1)] == ["step-000001", "step-000002"]
 
 
+def test_retention_keeps_the_last_stable_phase_checkpoint_it_is_told_to_protect(tmp_path):
+    saver = ckpt.Saver(tmp_path, keep_last=1, protect=4)  # wsd: decay starts after step 4
+    for step in (2, 4, 6, 8):
+        saver.save(step, _writer({"a.bin": 10}), {})
+    assert [p.name for p in ckpt.list_steps(tmp_path)] == ["step-000004", "step-000008"]
+
+
 def test_saver_prunes_after_the_new_checkpoint_verified(tmp_path):
     saver = ckpt.Saver(tmp_path, keep_last=2)
     for step in (1, 2, 3):
