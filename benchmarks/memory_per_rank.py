@@ -134,8 +134,9 @@ def worker(config: str, out: str, steps: int) -> None:
     """torchrun worker: train `steps` steps on random tokens, write rank{N}.json."""
     import torch.nn.functional as F
 
+    from llmpipe.optim import build_optimizer
     from llmpipe.parallel import build_strategy
-    from llmpipe.train.loop import build_model, build_optimizer
+    from llmpipe.train.loop import build_model
     from llmpipe.train.main import _exit
 
     cfg, env = init_worker(config)

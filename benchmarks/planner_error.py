@@ -100,8 +100,9 @@ class SavedBytes:
 def _build(cfg, env):
     """(strategy, [(module, torch optimizer)], forward module or None for a pipeline)."""
     from llmpipe.models.llama import model_args
+    from llmpipe.optim import build_optimizer
     from llmpipe.parallel import build_strategy
-    from llmpipe.train.loop import build_model, build_optimizer
+    from llmpipe.train.loop import build_model
 
     vocab = cfg.data.tokenizer.vocab_size
     if cfg.train.parallel.tp > 1 or cfg.train.parallel.pp > 1:

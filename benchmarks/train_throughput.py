@@ -24,8 +24,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe.models.llama import Transformer, model_args  # noqa: E402
+from llmpipe.optim import build_optimizer  # noqa: E402
 from llmpipe.train import metrics  # noqa: E402
-from llmpipe.train.loop import build_optimizer, train  # noqa: E402
+from llmpipe.train.loop import train  # noqa: E402
 from tests.conftest import make_cfg, make_data_dir  # noqa: E402
 
 
