@@ -4,8 +4,8 @@ to STRATEGIES, and to EXPECTED if there is a prediction, for another one).
     python benchmarks/memory_per_rank.py [--dim 512 --layers 8] [--nproc 2] [--only ddp,zero3]
 
 Each strategy trains a few fp32 steps (micro-batch 1, accumulation 2) of the same model on `--nproc`
-gloo ranks (torchrun, this file as the worker, llmpipe's build_model / build_optimizer /
-build_strategy) and reports, for the rank with the most:
+gloo ranks (torchrun, this file as the worker, llmpipe's build_strategy: one builder
+for every layout) and reports, for the rank with the most:
 
     model states   bytes of the distinct tensor storages holding, per category,
                    params   this rank's parameters (ZeRO-3: its partition, p.ds_tensor)
@@ -134,17 +134,14 @@ def worker(config: str, out: str, steps: int) -> None:
     """torchrun worker: train `steps` steps on random tokens, write rank{N}.json."""
     import torch.nn.functional as F
 
-    from llmpipe.optim import build_optimizer
+    from llmpipe.models.llama import model_args
     from llmpipe.parallel import build_strategy
-    from llmpipe.train.loop import build_model
     from llmpipe.train.main import _exit
 
     cfg, env = init_worker(config)
     before = _rss_now()
-    args, model = build_model(cfg, VOCAB, env)
-    opt, sched = build_optimizer(model, cfg)
-    strategy = build_strategy(cfg, env, model, opt, sched)
-    del model, opt, sched
+    args = model_args(cfg.model, vocab_size=VOCAB)
+    strategy = build_strategy(cfg, env, args)
     samples: list[dict[str, int]] = []
 
     def sample(*_):

@@ -100,9 +100,7 @@ class SavedBytes:
 def _build(cfg, env):
     """(strategy, [(module, torch optimizer)], forward module or None for a pipeline)."""
     from llmpipe.models.llama import model_args
-    from llmpipe.optim import build_optimizer
     from llmpipe.parallel import build_strategy
-    from llmpipe.train.loop import build_model
 
     vocab = cfg.data.tokenizer.vocab_size
     if cfg.train.parallel.tp > 1 or cfg.train.parallel.pp > 1:
@@ -110,9 +108,7 @@ def _build(cfg, env):
 
         strategy = ModelParallelStrategy(cfg, env, model_args(cfg.model, vocab_size=vocab))
         return strategy, list(zip(strategy.parts, strategy.opts)), (None if strategy.schedule else strategy.parts[0])
-    _, model = build_model(cfg, vocab, env)
-    opt, sched = build_optimizer(model, cfg)
-    strategy = build_strategy(cfg, env, model, opt, sched)
+    strategy = build_strategy(cfg, env, model_args(cfg.model, vocab_size=vocab))
     return strategy, [(strategy.module, _torch_optimizer(strategy))], strategy.module
 
 

@@ -96,7 +96,8 @@ def build_optimizer(model: nn.Module, cfg, world: int | None = None):
     groups: dict[tuple, list[nn.Parameter]] = {}
     for p in model.parameters():
         mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
-        groups.setdefault((p.ndim >= 2, mesh), []).append(p)
+        shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partitioned parameter's own shape
+        groups.setdefault((len(shape) >= 2, mesh), []).append(p)
     opt = torch.optim.AdamW([{"params": ps, "weight_decay": o.weight_decay if decay else 0.0}
                              for (decay, _), ps in groups.items()],
                             lr=peak_lr(cfg, world), betas=tuple(o.betas), eps=o.eps, foreach=True)

@@ -1,21 +1,27 @@
-"""Data-parallel strategies, chosen by train.parallel.data."""
+"""Parallel layouts: one builder (builder.py) and the strategies the training loop drives."""
 
 from __future__ import annotations
 
 
-def build_strategy(cfg, env, model, optimizer, scheduler):
-    """The strategy for cfg.train.parallel.data, wrapping a materialised, initialised model."""
-    kind = cfg.train.parallel.data
-    if kind == "ddp":
+def build_strategy(cfg, env, args):
+    """The strategy for the config's layout, with its model built (llmpipe.parallel.builder) and
+    its optimizer and schedule (llmpipe.optim): tp/pp > 1 -> model parallel (DDP or FSDP2 on the dp
+    axis), else train.parallel.data: ddp, fsdp or zero."""
+    p = cfg.train.parallel
+    if p.tp > 1 or p.pp > 1:
+        from llmpipe.parallel.model_parallel import ModelParallelStrategy
+
+        return ModelParallelStrategy(cfg, env, args)
+    if p.data == "ddp":
         from llmpipe.parallel.ddp import DDPStrategy
 
-        return DDPStrategy(cfg, env, model, optimizer, scheduler)
-    if kind == "zero":
+        return DDPStrategy(cfg, env, args)
+    if p.data == "zero":
         from llmpipe.parallel.zero import ZeroStrategy
 
-        return ZeroStrategy(cfg, env, model, optimizer, scheduler)
-    if kind == "fsdp":
+        return ZeroStrategy(cfg, env, args)
+    if p.data == "fsdp":
         from llmpipe.parallel.fsdp import FSDPStrategy
 
-        return FSDPStrategy(cfg, env, model, optimizer, scheduler)
-    raise ValueError(f"train.parallel.data: unknown strategy {kind!r}")
+        return FSDPStrategy(cfg, env, args)
+    raise ValueError(f"train.parallel.data: unknown strategy {p.data!r}")

@@ -13,7 +13,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmpipe import device as dev
 from llmpipe.models.llama.parallelize import unwrap_state_dict
+from llmpipe.optim import build_optimizer
 from llmpipe.parallel.base import TorchOptimizerStrategy
+from llmpipe.parallel.builder import build_part
 
 MODEL, OPTIM, TRAINER = "model.safetensors", "optimizer.pt", "trainer_state.pt"
 
@@ -37,10 +39,11 @@ class DDPStrategy(TorchOptimizerStrategy):
 
     format = "full"
 
-    def __init__(self, cfg, env, model: nn.Module, optimizer, scheduler):
-        self.cfg, self.env, self.model = cfg, env, model
+    def __init__(self, cfg, env, args):
+        self.cfg, self.env = cfg, env
+        self.model = model = build_part(cfg, env, args)
         self.module = apply_ddp(model, env.device, cfg.train.parallel) if env.world > 1 else model
-        self.opt, self.sched = optimizer, scheduler
+        self.opt, self.sched = build_optimizer(model, cfg, env.world)
         ls = cfg.train.precision.loss_scale
         self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
         self.accum, self.max_grad_norm = cfg.train.grad_accum_steps, cfg.train.optim.clip_grad_norm

@@ -29,9 +29,9 @@ from llmpipe import device as dev
 from llmpipe.checkpoint.dcp import DCP_DIR, save_state
 from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.trust import SafeReader
-from llmpipe.models.llama.parallelize import apply_fsdp
 from llmpipe.optim import build_optimizer
 from llmpipe.parallel.base import TorchOptimizerStrategy
+from llmpipe.parallel.builder import build_part
 
 TRAINER = "trainer_state.pt"
 
@@ -39,16 +39,6 @@ TRAINER = "trainer_state.pt"
 def dp_mesh(device: torch.device, world: int) -> DeviceMesh:
     """A 1-D mesh over every rank, named "dp"."""
     return init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-
-
-def mixed_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
-    """(param_dtype, reduce_dtype) for FSDP2: compute in bf16/fp16, reduce gradients in fp32.
-
-    The sharded parameters (and so the optimizer) stay fp32; fp32 training casts nothing.
-    """
-    if precision == "fp32":
-        return None, None
-    return dev.dtype(precision), torch.float32
 
 
 def local_bytes(t: torch.Tensor | None) -> int:
@@ -78,19 +68,15 @@ class FSDPStrategy(TorchOptimizerStrategy):
 
     format = "dcp"
 
-    def __init__(self, cfg, env, model: nn.Module, optimizer=None, scheduler=None):
-        # NOTE: the loop's optimizer holds the unsharded parameters, which fully_shard replaces with
-        # DTensor parameters: it is dropped and rebuilt over the sharded ones.
-        del optimizer, scheduler
+    def __init__(self, cfg, env, args):
         if not torch.distributed.is_initialized():
             raise ValueError("train.parallel.data=fsdp needs a process group: launch with torchrun "
                              "(train.nproc_per_node >= 1), not in-process")
         self.cfg, self.env = cfg, env
-        param_dtype, reduce_dtype = mixed_precision(env.precision)
         self.mesh = dp_mesh(env.device, env.world)
-        self.model = self.module = apply_fsdp(model, self.mesh, param_dtype, reduce_dtype,
-                                              cfg.train.parallel.reshard_after_forward)
-        self.opt, self.sched = build_optimizer(self.model, cfg)
+        # built on meta, sharded, then each rank allocates and initialises only its shards
+        self.model = self.module = build_part(cfg, env, args, mesh=self.mesh, data="fsdp")
+        self.opt, self.sched = build_optimizer(self.model, cfg, env.world)
         ls = cfg.train.precision.loss_scale
         # NOTE: torch.amp.GradScaler handles DTensor gradients: DTensor's dispatch of
         # _amp_foreach_non_finite_check_and_unscale_ reduces found_inf over the mesh (max), so every

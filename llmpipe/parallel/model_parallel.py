@@ -36,14 +36,12 @@ from torch.distributed.tensor import DTensor
 from llmpipe.checkpoint.dcp import DCP_DIR, save_state
 from llmpipe.checkpoint.io import Written
 from llmpipe.checkpoint.trust import SafeReader
-from llmpipe.models.llama.hf import pretrained
 from llmpipe.models.llama.model import ModelArgs, Transformer
-from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
 from llmpipe.optim import build_optimizer
 from llmpipe.parallel import mesh as mesh_mod
 from llmpipe.parallel import pipeline, tensor_parallel
 from llmpipe.parallel.base import Strategy, token_loss_sum
-from llmpipe.parallel.fsdp import mixed_precision
+from llmpipe.parallel.builder import build_part
 
 log = logging.getLogger("llmpipe.train")
 
@@ -119,25 +117,11 @@ class ModelParallelStrategy(Strategy):
     # -- building -------------------------------------------------------------------------------------
 
     def _build_part(self, stage: int, n_stages: int, layer_ids: list[int]) -> Transformer:
-        """meta -> cut to the stage -> TP -> activation checkpointing -> DDP/FSDP2 -> materialise -> init."""
-        cfg, env = self.cfg, self.env
-        with torch.device("meta"):
-            model = Transformer(self.args)
-        if self.dims.pp > 1:
-            pipeline.build_stage_module(model, stage, n_stages, layer_ids)
-        tensor_parallel.apply(model, self.mesh, cfg.train.parallel.sequence_parallel)
-        if cfg.train.activation_checkpointing:
-            apply_activation_checkpointing(model)
-        param_dtype, reduce_dtype = mixed_precision(env.precision)
-        dp_mesh = self.mesh["dp"]
-        if cfg.train.parallel.data == "fsdp":
-            apply_fsdp(model, dp_mesh, param_dtype, reduce_dtype, cfg.train.parallel.reshard_after_forward)
-        else:  # ddp; also at dp=1, where it does no communication but applies the precision policy
-            apply_replicate(model, dp_mesh, param_dtype, reduce_dtype)
-        model.to_empty(device=env.device)
-        init_weights(model, cfg.run.seed, source=pretrained(cfg.model, self.args))
-        model.train()
-        return model
+        # data=ddp is `replicate` here, also at dp=1, where it does no communication but applies
+        # the precision policy
+        data = "fsdp" if self.cfg.train.parallel.data == "fsdp" else "replicate"
+        return build_part(self.cfg, self.env, self.args, mesh=self.mesh, data=data, stage=stage,
+                          n_stages=n_stages, layer_ids=layer_ids)
 
     # -- data -----------------------------------------------------------------------------------------
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from llmpipe.checkpoint import io as ckpt
-from llmpipe.optim import peak_lr
+from llmpipe.optim import build_optimizer, peak_lr
 from llmpipe.parallel.base import Strategy
+from llmpipe.parallel.builder import build_part, zero3_model
 
 TAG = "deepspeed"  # DeepSpeed's tag folder inside each llmpipe checkpoint folder
 _NEVER = 1 << 62  # steps_per_print: llmpipe logs progress itself
@@ -132,7 +132,7 @@ class ZeroStrategy(Strategy):
     format = "deepspeed"
     supports_replica_checks = False  # parameters and gradients live in DeepSpeed's partitions
 
-    def __init__(self, cfg, env, model: nn.Module, optimizer, scheduler):
+    def __init__(self, cfg, env, args):
         if not dist.is_initialized():
             raise ValueError("train.parallel.data=zero needs a process group: run under torchrun "
                              "(the train stage does, also for nproc_per_node=1)")
@@ -145,14 +145,18 @@ class ZeroStrategy(Strategy):
         self.cfg, self.env = cfg, env
         own = use_ds_optimizer(cfg)
         self.ds_config = deepspeed_config(cfg, env.world, env.precision, ds_optimizer=own)
+        # ZeRO-3 partitions every parameter as it is built; ZeRO-1/2 keep whole parameters
+        model = (zero3_model(cfg, env, args, self.ds_config) if cfg.train.parallel.zero_stage == 3
+                 else build_part(cfg, env, args))
+        optimizer, scheduler = build_optimizer(model, cfg, env.world)
         kwargs: dict[str, Any] = {"optimizer": optimizer, "lr_scheduler": scheduler}
         if own:  # DeepSpeed builds its AdamW over the same param groups (no decay on norms)
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
             factor = scheduler.lr_lambdas[0]
             kwargs = {"model_parameters": groups,
                       "lr_scheduler": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, factor)}
-        # NOTE: ZeRO-3 partitions the already materialised, initialised module here (no zero.Init at
-        # build time): each rank keeps its slice of the same init, so fp32 losses equal DDP's bitwise.
+        # NOTE: each rank holds (its slice of) the same initial values one process would draw, so
+        # fp32 losses equal DDP's bitwise.
         engine, _, _, _ = deepspeed.initialize(model=model, config=self.ds_config, **kwargs)
         self.engine = self.module = engine
         check_batch(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),

@@ -25,10 +25,8 @@ from llmpipe.checkpoint import io as ckpt
 from llmpipe.config import RunConfig
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.data.shards import TokenShard
-from llmpipe.models.llama import Transformer, model_args
-from llmpipe.models.llama.hf import pretrained
-from llmpipe.models.llama.parallelize import apply_activation_checkpointing
-from llmpipe.optim import build_optimizer, peak_lr, stable_until
+from llmpipe.models.llama import model_args
+from llmpipe.optim import peak_lr, stable_until
 from llmpipe.parallel import build_strategy
 from llmpipe.train import profile
 from llmpipe.train.metrics import MetricsWriter
@@ -63,21 +61,6 @@ def _reported_mean(local: torch.Tensor | None, env: Env) -> torch.Tensor:
     if env.world > 1:
         dist.all_reduce(pair, op=dist.ReduceOp.SUM)
     return pair[0] / pair[1] if pair[1] > 0 else torch.tensor(float("nan"))
-
-
-def build_model(cfg: RunConfig, vocab_size: int, env: Env):
-    """Meta-device build -> activation checkpointing -> materialise + init (seeded, same on every rank)."""
-    args = model_args(cfg.model, vocab_size=vocab_size)
-    if cfg.data.seq_len > args.max_seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
-    with torch.device("meta"):
-        model = Transformer(args)
-    if cfg.train.activation_checkpointing:
-        apply_activation_checkpointing(model)
-    model.to_empty(device=env.device)
-    model.init_weights(seed=cfg.run.seed, source=pretrained(cfg.model, args))
-    model.train()
-    return args, model
 
 
 def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.device):
@@ -199,19 +182,12 @@ def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env,
 
 
 def _build(cfg: RunConfig, env: Env, vocab_size: int):
-    """The strategy with its model: tp/pp layouts build their shards on the meta device themselves;
-    the data-parallel strategies wrap a model built here."""
-    p = cfg.train.parallel
-    if p.tp > 1 or p.pp > 1:
-        from llmpipe.parallel.model_parallel import ModelParallelStrategy
-
-        args = model_args(cfg.model, vocab_size=vocab_size)
-        if cfg.data.seq_len > args.max_seq_len:
-            raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
-        return ModelParallelStrategy(cfg, env, args), args
-    args, model = build_model(cfg, vocab_size, env)
-    opt, sched = build_optimizer(model, cfg)
-    return build_strategy(cfg, env, model, opt, sched), args  # the strategy owns model and optimizer now
+    """The layout's strategy with its model, optimizer and schedule (llmpipe.parallel.build_strategy:
+    one builder, one order, every layout)."""
+    args = model_args(cfg.model, vocab_size=vocab_size)
+    if cfg.data.seq_len > args.max_seq_len:
+        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+    return build_strategy(cfg, env, args), args
 
 
 def _start_checks(cfg: RunConfig, env: Env, strategy) -> None:

@@ -218,17 +218,19 @@ def _check_shards(config: str, out: str) -> None:
 
     from llmpipe import config as config_mod
     from llmpipe import device as dev
+    from llmpipe.models.llama import model_args
+    from llmpipe.parallel.builder import build_part
     from llmpipe.parallel.fsdp import FSDPStrategy, model_state_bytes
-    from llmpipe.train.loop import Env, build_model
+    from llmpipe.train.loop import Env
     from llmpipe.train.main import _exit
 
     cfg = config_mod.load(config)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     env = Env(rank, world, dev.resolve("cpu"), "fp32")
-    _, model = build_model(cfg, 256, env)
-    full = {k: v.detach().clone() for k, v in model.named_parameters()}
-    strategy = FSDPStrategy(cfg, env, model)
+    args = model_args(cfg.model, vocab_size=256)
+    full = {k: v.detach().clone() for k, v in build_part(cfg, env, args).named_parameters()}  # one process's
+    strategy = FSDPStrategy(cfg, env, args)  # built sharded on meta: each rank allocates only its shards
     params = dict(strategy.model.named_parameters())
     report = {
         "not_dtensor": [k for k, p in params.items() if not isinstance(p, DTensor)],
@@ -243,7 +245,7 @@ def _check_shards(config: str, out: str) -> None:
     report["found_inf"] = _found_inf_after_rank0_overflow(strategy, rank)
     Path(out, f"rank{rank}.json").write_text(json.dumps(report))
     strategy.close()
-    del model, params
+    del params
     _exit(0)
 
 

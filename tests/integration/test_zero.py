@@ -303,7 +303,7 @@ def test_bad_layouts_are_clear_errors(tmp_path, parallel, message):
 def test_zero_needs_a_process_group(tmp_path):
     cfg = make_cfg(tmp_path, train__parallel={"data": "zero", "zero_stage": 1})
     with pytest.raises(ValueError, match="run under torchrun"):
-        ZeroStrategy(cfg, Env(0, 1, torch.device("cpu"), "fp32"), torch.nn.Linear(2, 2), None, None)
+        ZeroStrategy(cfg, Env(0, 1, torch.device("cpu"), "fp32"), None)
 
 
 def test_resume_on_another_world_size_is_a_clear_error(tmp_path):

@@ -1,0 +1,90 @@
+"""One builder for every layout, in one order (torchtitan's):
+
+    meta -> cut the pipeline stage -> tensor parallel -> activation checkpointing -> (compile) ->
+    data parallel on mesh["dp"] (FSDP2 `fully_shard` or `replicate`) -> allocate -> init or load
+
+Nothing is allocated before the last two steps, so a rank only ever holds its own shards plus one
+full tensor at a time while initialising (each parameter's full value is drawn, or read from
+model.init_from's safetensors, then this rank's slice copied: the same values one process would
+have, whatever the layout). Size-1 dimensions are no-ops. Torch's DDP class and DeepSpeed ZeRO-1/2
+wrap the allocated model afterwards (`data="none"` here); ZeRO-3 builds its parameters partitioned
+from the start (`zero3_model`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from llmpipe import device as dev
+from llmpipe.models.llama.hf import pretrained
+from llmpipe.models.llama.model import ModelArgs, Transformer
+from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
+from llmpipe.parallel import pipeline, tensor_parallel
+
+
+def mixed_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """(param_dtype, reduce_dtype) for FSDP2/replicate: compute in bf16/fp16, reduce gradients in
+    fp32. The sharded parameters (and so the optimizer) stay fp32; fp32 training casts nothing."""
+    if precision == "fp32":
+        return None, None
+    return dev.dtype(precision), torch.float32
+
+
+def build_part(cfg, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, data: str = "none",
+               stage: int = 0, n_stages: int = 1, layer_ids: list[int] | None = None) -> Transformer:
+    """This rank's model (or pipeline stage `stage` of `n_stages`, holding `layer_ids`), built in
+    the fixed order above. `data`: "fsdp" (fully_shard on mesh["dp"]), "replicate" (FSDP2-based DDP
+    on mesh["dp"]) or "none" (the caller wraps the allocated model: torch DDP, DeepSpeed)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    if n_stages > 1:
+        pipeline.build_stage_module(model, stage, n_stages, layer_ids)
+    if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
+        tensor_parallel.apply(model, mesh, cfg.train.parallel.sequence_parallel)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if data != "none":
+        param_dtype, reduce_dtype = mixed_precision(env.precision)
+        if data == "fsdp":
+            apply_fsdp(model, mesh["dp"], param_dtype, reduce_dtype, cfg.train.parallel.reshard_after_forward)
+        else:
+            apply_replicate(model, mesh["dp"], param_dtype, reduce_dtype)
+    model.to_empty(device=env.device)
+    init_weights(model, cfg.run.seed, source=pretrained(cfg.model, args))
+    model.train()
+    return model
+
+
+def zero3_model(cfg, env, args: ModelArgs, ds_config: dict) -> Transformer:
+    """ZeRO-3: every parameter partitioned over the ranks as soon as its module is built
+    (deepspeed.zero.Init), so no rank ever holds the whole model; then each parameter gathered in
+    turn and set to its initial value (the same one process would draw, or model.init_from's)."""
+    import deepspeed
+
+    from llmpipe.models.llama.model import init_tensor
+
+    # NOTE: zero.Init reads the config before DeepSpeed's own process group exists and takes the
+    # world size as 1, so the batch keys (checked against it) are left out: it needs the ZeRO and
+    # precision sections (and a micro-batch size, which it insists on) only.
+    init_cfg = {k: v for k, v in ds_config.items() if k in ("zero_optimization", "bf16", "fp16",
+                                                            "train_micro_batch_size_per_gpu")}
+    with deepspeed.zero.Init(config_dict_or_path=init_cfg, remote_device="cpu" if _offload(cfg) else None):
+        model = Transformer(args)
+    if cfg.train.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    source = pretrained(cfg.model, args)
+    model.rope_cos, model.rope_sin = model.rope_cos.to(env.device), model.rope_sin.to(env.device)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            clean = name.replace("_checkpoint_wrapped_module.", "")
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                if env.rank == 0:
+                    full = source(clean) if source else init_tensor(args, clean, tuple(p.ds_shape), cfg.run.seed)
+                    p.data.copy_(full.to(p.dtype))
+    model.train()
+    return model
+
+
+def _offload(cfg) -> bool:
+    return cfg.train.parallel.offload_param != "none"
