@@ -231,6 +231,7 @@ class Memory:
     buffers: int
     total: int
     host: int
+    step: int = 0  # the optimizer step's temporaries (not at the same time as working copies and activations)
 
     @property
     def model_states(self) -> int:
@@ -250,6 +251,19 @@ def _working_bytes(s: Setup, st: StageParams) -> int:
     gathered = unit * (st.embedding + st.head + (st.block if s.reshard_after_forward else st.layers * st.block))
     accumulating = (s.accum > 1) if s.pp == 1 else (s.microbatches > 1)
     return gathered + (4 * st.total if accumulating else 0)  # unsharded fp32 grads until the last micro-step
+
+
+def _step_bytes(s: Setup, n: int) -> int:
+    """Temporaries of the optimizer step on the device (benchmarks/build_memory.py): torch's foreach
+    AdamW allocates its denominator, one fp32 tensor per optimizer parameter it updates (4 B/param,
+    measured for DDP and FSDP2 within 1%). Under ZeRO, DeepSpeed also hands the fp32 master partition
+    an fp32 gradient of its own and copies the updated master back: ZeRO-3 measured 12 B per local
+    parameter in all; stages 1/2 are taken as 8 (not measured). Activations are freed by then, so the
+    peak is the larger of this and forward/backward's working set."""
+    local = n if s.data == "ddp" else n / s.dp  # the parameters this device's optimizer updates
+    if s.data != "zero":
+        return int(4 * local)
+    return 0 if s.offload_optimizer else int((12 if s.zero_stage == 3 else 8) * local)
 
 
 def _in_flight(s: Setup, r: int) -> tuple[int, float]:
@@ -284,8 +298,9 @@ def _buffers(s: Setup, st: StageParams) -> int:
         return 0
     if s.data == "ddp" and s.tp * s.pp == 1:  # two buckets in flight, never more than the gradients
         return int(min(2 * s.bucket_cap_mb * MIB, 4 * st.total))
-    if s.data in ("ddp", "fsdp"):  # FSDP2 machinery: one unit's gradients in fp32 for the reduce
-        return 4 * max(st.block, st.embedding + st.head)
+    if s.data in ("ddp", "fsdp"):  # FSDP2 machinery: the largest unit's unsharded fp32 gradients and the
+        # flat reduce input they are copied into, both alive during the copy (measured: build_memory.py)
+        return 2 * 4 * max(st.block, st.embedding + st.head)
     w = 4 if s.fp32 else 2
     # NOTE: with contiguous_gradients DeepSpeed allocates the whole reduce bucket (two with overlap_comm in
     # stages 1/2) however small the model; the all-gather bucket is bounded by the parameters.
@@ -304,9 +319,9 @@ def memory(s: Setup) -> list[Memory]:
         params, grads, opt = (int(per[k] * n) for k in ("params", "grads", "optimizer"))
         full, ckpt = int(_activation_bytes(s, r, False)), int(_activation_bytes(s, r, True))
         act = ckpt if s.checkpointing else full
-        working, buffers = _working_bytes(s, st), _buffers(s, st)
+        working, buffers, step = _working_bytes(s, st), _buffers(s, st), _step_bytes(s, n)
         out.append(Memory(r, params, grads, opt, working, full, ckpt, act, buffers,
-                          params + grads + opt + working + act + buffers, int(per["host"] * n)))
+                          params + grads + opt + max(working + act, step) + buffers, int(per["host"] * n), step))
     return out
 
 
@@ -548,6 +563,12 @@ def _gib(n: float) -> str:
     return f"{n / GIB:10.3f} GiB"
 
 
+def _other_total(m: Memory, checkpointing: bool) -> int:
+    """The total with the other activation choice (checkpointing on or off)."""
+    other = m.activations_full if checkpointing else m.activations_checkpointed
+    return m.model_states + max(m.working + other, m.step) + m.buffers
+
+
 def _memory_lines(p: Plan) -> list[str]:
     m, ac = p.memory, p.activation_checkpointing
     state = {"ddp": "fp32 weights, grads, AdamW", "fsdp": f"fp32, sharded over dp={p.dp}",
@@ -561,8 +582,9 @@ def _memory_lines(p: Plan) -> list[str]:
              f"  activations, checkpointed {_gib(m.activations_checkpointed)} {'*' if ac else ' '}",
              f"  activations, full         {_gib(m.activations_full)} {' ' if ac else '*'}",
              f"  communication buffers     {_gib(m.buffers)}",
+             f"  optimizer step temps      {_gib(m.step)}   (instead of working copies and activations, if larger)",
              f"  total                     {_gib(m.total)}   (the other activation choice: "
-             f"{(m.total - m.activations + (m.activations_full if ac else m.activations_checkpointed)) / GIB:.2f} GiB)"]
+             f"{_other_total(m, ac) / GIB:.2f} GiB)"]
     if m.host:
         lines.append(f"  host memory (offload)     {_gib(m.host)}")
     if p.pp > 1:

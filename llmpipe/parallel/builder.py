@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from llmpipe import device as dev
 from llmpipe.models.llama.hf import pretrained
-from llmpipe.models.llama.model import ModelArgs, Transformer
+from llmpipe.models.llama.model import ModelArgs, Transformer, init_tensor
 from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
 from llmpipe.parallel import pipeline, tensor_parallel
 
@@ -58,11 +58,10 @@ def build_part(cfg, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, dat
 
 def zero3_model(cfg, env, args: ModelArgs, ds_config: dict) -> Transformer:
     """ZeRO-3: every parameter partitioned over the ranks as soon as its module is built
-    (deepspeed.zero.Init), so no rank ever holds the whole model; then each parameter gathered in
-    turn and set to its initial value (the same one process would draw, or model.init_from's)."""
+    (deepspeed.zero.Init), so no rank ever holds the whole model; then each rank writes its own
+    partition of each parameter's initial value (the same one process would draw, or
+    model.init_from's), one full tensor at a time and with no communication."""
     import deepspeed
-
-    from llmpipe.models.llama.model import init_tensor
 
     # NOTE: zero.Init reads the config before DeepSpeed's own process group exists and takes the
     # world size as 1, so the batch keys (checked against it) are left out: it needs the ZeRO and
@@ -73,17 +72,27 @@ def zero3_model(cfg, env, args: ModelArgs, ds_config: dict) -> Transformer:
         model = Transformer(args)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
-    source = pretrained(cfg.model, args)
     model.rope_cos, model.rope_sin = model.rope_cos.to(env.device), model.rope_sin.to(env.device)
+    source = pretrained(cfg.model, args)
     with torch.no_grad():
         for name, p in model.named_parameters():
             clean = name.replace("_checkpoint_wrapped_module.", "")
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
-                if env.rank == 0:
-                    full = source(clean) if source else init_tensor(args, clean, tuple(p.ds_shape), cfg.run.seed)
-                    p.data.copy_(full.to(p.dtype))
+            full = source(clean) if source else init_tensor(args, clean, tuple(p.ds_shape), cfg.run.seed)
+            _write_partition(p, full, env.rank, env.world)
     model.train()
     return model
+
+
+def _write_partition(p, full: torch.Tensor, rank: int, world: int) -> None:
+    """This rank's ZeRO-3 partition of parameter `p` from its full value. DeepSpeed's layout
+    (partition_parameters._partition_param): the flattened tensor, padded to a multiple of the world
+    size, cut into `world` equal parts, part r on rank r."""
+    size = p.ds_tensor.numel()
+    if size != -(-p.ds_numel // world):
+        raise RuntimeError(f"unexpected ZeRO-3 partition of {tuple(p.ds_shape)}: {size} elements on {world} ranks")
+    flat = full.reshape(-1)[rank * size:(rank + 1) * size]
+    p.ds_tensor.zero_()
+    p.ds_tensor[:flat.numel()].copy_(flat.to(p.ds_tensor.dtype))
 
 
 def _offload(cfg) -> bool:
