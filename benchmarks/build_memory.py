@@ -68,7 +68,7 @@ def worker(config: str, out: str) -> None:
                 logits = strategy.module(x[:, :-1])  # (B, T, vocab)
             strategy.backward(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()))
         del logits
-        strategy.step()
+        strategy.step(1)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - floor
     Path(out, f"rank{env.rank}.json").write_text(json.dumps({"floor": floor, "build": after_build, "peak": peak}))
     strategy.close()

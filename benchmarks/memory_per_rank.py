@@ -158,7 +158,7 @@ def worker(config: str, out: str, steps: int) -> None:
                     logits = strategy.module(x[:, :-1])  # (B, T, vocab)
                 strategy.backward(F.cross_entropy(logits.float().flatten(0, 1), x[:, 1:].flatten()))
             sample()  # after each backward: gradients accumulated so far (ZeRO-1 keeps them whole)
-        strategy.step()
+        strategy.step(1)
     top = max(samples, key=lambda r: sum(r[c] for c in CATEGORIES))
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     report = {**top, "rss_at_step": max(r["rss"] for r in samples), "rss_peak": peak - before,

@@ -154,7 +154,7 @@ def worker(config: str, out: str, steps: int) -> None:
                 saved = _micro_step(strategy, forward, x[:, :-1], x[:, 1:], step == 0 and micro == 0)
             act = saved if saved is not None else act
             sample()
-        strategy.step()
+        strategy.step(1)
     Path(out, f"rank{env.rank}.json").write_text(json.dumps({"states": max(samples), "act": act}))
     strategy.close()
     _exit(0)

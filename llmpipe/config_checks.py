@@ -80,7 +80,7 @@ def _validate_layout(cfg: RunConfig, args, world: int, where: str = "") -> None:
     try:
         mesh.validate(p, args, world, cfg.train.micro_batch_size)
         if p.tp > 1 or p.pp > 1:
-            from llmpipe.parallel.model_parallel import check_supported
+            from llmpipe.parallel.mesh import check_supported
 
             # the requested dtype: "auto" never resolves to fp16, the one precision refused here
             check_supported(cfg, cfg.train.precision.dtype)

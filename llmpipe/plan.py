@@ -167,7 +167,7 @@ def setup_from_config(cfg: RunConfig, world_size: int | None = None) -> Setup:
     dims = mesh.validate(par, args, world, t.micro_batch_size)
     precision = "bf16" if t.precision.dtype == "auto" else t.precision.dtype
     if dims.tp * dims.pp > 1:
-        from llmpipe.parallel.model_parallel import check_supported
+        from llmpipe.parallel.mesh import check_supported
 
         check_supported(cfg, precision)  # what training refuses, the plan refuses too
     return Setup(args=args, dp=dims.dp, tp=dims.tp, pp=dims.pp, data=par.data, zero_stage=par.zero_stage,

@@ -31,7 +31,7 @@ import torch
 from llmpipe import device as dev
 from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.models.llama import io as model_io
-from llmpipe.parallel.zero import TAG  # the tag folder ZeroStrategy writes; `latest` names it too
+from llmpipe.parallel.zero_config import TAG  # the tag folder ZeroStrategy writes; `latest` names it too
 
 REMAP_BYTES = 64 << 20
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # bf16_: bf16 runs

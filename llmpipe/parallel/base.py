@@ -1,8 +1,23 @@
-"""The data-parallel strategy interface the training loop drives.
+"""The strategy interface: what the training loop drives, and nothing more.
 
-A strategy owns how parameters, gradients and optimizer states are held and synchronised, and
-how they are checkpointed: DDP (full replicas), and room for DeepSpeed ZeRO and FSDP2. The loop
-only calls these methods, so a new strategy is one new file.
+A strategy owns one layout: how its model (built by llmpipe.parallel.builder), gradients and
+optimizer (llmpipe.optim) are held, synchronised, stepped and checkpointed. Strategies: DDPStrategy
+(torch DDP), FSDPStrategy (FSDP2), ZeroStrategy (DeepSpeed ZeRO 1/2/3), ModelParallelStrategy
+(dp x tp x pp). Each is made by `llmpipe.parallel.build_strategy(cfg, env, args)` and reads its
+settings from the config itself; the loop writes nothing into it. What the loop uses:
+
+    module, format                  the model to call; the checkpoint format ("full" | "dcp" | "deepspeed")
+    data_rank, data_world           which share of each global batch this rank reads
+    micro_context(sync)             around a micro-step's forward + backward (sync=False: no gradient sync)
+    sync_first_step                 whether a process's first step must sync every micro-step
+    forward_backward(x, y)          one micro-batch; the loss, or None where it is not seen (pipelines)
+    eval_loss_sum(x, y)             summed token losses without gradients, or None
+    step(number)                    clip, optimizer step, schedule step; the global gradient norm
+    skipped                         whether that step dropped its update (train.debug.nan_guard=skip)
+    lr(), loss_scale()              for the logs
+    optimizers()                    (optimizer, schedule) pairs, re-tuned to the config on resume
+    write_checkpoint / read_checkpoint, close()
+    named_parameters(), replica_group(), supports_replica_checks   the troubleshooting checks
 """
 
 from __future__ import annotations
@@ -66,8 +81,9 @@ class Strategy:
         """Back-propagate one micro-batch's mean loss (the strategy divides by accumulation)."""
         raise NotImplementedError
 
-    def step(self) -> float:
-        """Clip, optimizer step, lr schedule step, zero grads; returns the global grad norm."""
+    def step(self, number: int) -> float:
+        """Optimizer step `number` (1-based): clip, step, lr schedule step, zero grads; returns the global
+        gradient norm."""
         raise NotImplementedError
 
     def lr(self) -> float:
@@ -96,9 +112,12 @@ class Strategy:
 
     # -- troubleshooting (llmpipe.debug) ------------------------------------------------------
 
-    nan_guard = "stop"  # train.debug.nan_guard, set by the loop
-    step_number = 0  # the 1-based optimizer step being taken, set by the loop (for messages)
+    step_number = 0  # the optimizer step being taken (for messages)
     skipped = False  # whether the last step() dropped its update (nan_guard=skip)
+
+    @property
+    def nan_guard(self) -> str:
+        return self.cfg.train.debug.nan_guard
     supports_replica_checks = True  # parameters and .grad are the real tensors (not ZeRO's partitions)
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
@@ -159,7 +178,8 @@ class TorchOptimizerStrategy(Strategy):
         scaled = loss / self.accum
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
-    def step(self) -> float:
+    def step(self, number: int) -> float:
+        self.step_number = number
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         norm = self.grad_norm()

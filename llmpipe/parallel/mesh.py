@@ -104,3 +104,17 @@ def validate(parallel, args: ModelArgs, world_size: int, micro_batch_size: int |
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The 3-D mesh ("pp", "dp", "tp"); dimensions of size 1 are kept so sub-meshes always exist."""
     return init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=MESH_DIMS)
+
+
+def check_supported(cfg, precision: str) -> None:
+    """What the composed layout does not do (yet), as one clear line each."""
+    p = cfg.train.parallel
+    if p.data == "zero":
+        raise LayoutError(f"train.parallel.data=zero cannot be combined with tp={p.tp} / pp={p.pp}: "
+                                   "use data=fsdp (ZeRO-3 equivalent) or data=ddp")
+    if precision == "fp16":
+        raise LayoutError("train.precision.dtype=fp16 is not supported with tp/pp > 1 (loss scaling "
+                                   "across pipeline stages is not implemented): use bf16")
+    if p.pp > 1 and p.sequence_parallel:
+        raise LayoutError("train.parallel.sequence_parallel with pp > 1 is not supported (stages would "
+                                   "pass sequence-sharded DTensors): set sequence_parallel: false")

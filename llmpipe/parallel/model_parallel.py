@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from llmpipe.checkpoint.dcp import DCP_DIR, save_state
 from llmpipe.checkpoint.io import Written
@@ -42,25 +41,13 @@ from llmpipe.parallel import mesh as mesh_mod
 from llmpipe.parallel import pipeline, tensor_parallel
 from llmpipe.parallel.base import Strategy, token_loss_sum
 from llmpipe.parallel.builder import build_part
+from llmpipe.parallel.grad_norm import clip_, total_grad_norm
+from llmpipe.parallel.mesh import check_supported
 
 log = logging.getLogger("llmpipe.train")
 
 TRAINER = "trainer_state.pt"
 _OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-def check_supported(cfg, precision: str) -> None:
-    """What the composed layout does not do (yet), as one clear line each."""
-    p = cfg.train.parallel
-    if p.data == "zero":
-        raise mesh_mod.LayoutError(f"train.parallel.data=zero cannot be combined with tp={p.tp} / pp={p.pp}: "
-                                   "use data=fsdp (ZeRO-3 equivalent) or data=ddp")
-    if precision == "fp16":
-        raise mesh_mod.LayoutError("train.precision.dtype=fp16 is not supported with tp/pp > 1 (loss scaling "
-                                   "across pipeline stages is not implemented): use bf16")
-    if p.pp > 1 and p.sequence_parallel:
-        raise mesh_mod.LayoutError("train.parallel.sequence_parallel with pp > 1 is not supported (stages would "
-                                   "pass sequence-sharded DTensors): set sequence_parallel: false")
 
 
 class _StageLoss:
@@ -173,7 +160,8 @@ class ModelParallelStrategy(Strategy):
     def replica_group(self):
         return self.mesh["dp"].get_group()
 
-    def step(self) -> float:
+    def step(self, number: int) -> float:
+        self.step_number = number
         params = self.params()
         norm = total_grad_norm(params, self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
         # NOTE: the norm is global (reduced over tp, dp and pp), so every rank skips or stops together
@@ -229,44 +217,3 @@ class ModelParallelStrategy(Strategy):
 
     def close(self) -> None:
         del self.schedule, self.parts, self.module, self.opts, self.scheds, self.mesh
-
-
-def total_grad_norm(params: list[nn.Parameter], pp_group=None) -> torch.Tensor:
-    """The global gradient norm over every rank's shards.
-
-    Squared norms are summed locally per (mesh, sharded dims), all-reduced over the mesh dimensions
-    each gradient is sharded on (TP shards, FSDP shards; replicas are counted once), then over the
-    pipeline ranks, which hold disjoint stages.
-    """
-    sums: dict[tuple, torch.Tensor] = {}
-    meshes: dict[tuple, Any] = {}
-    device = torch.device("cpu")
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        key: tuple = ()
-        if isinstance(g, DTensor):
-            dims = tuple(i for i, pl in enumerate(g.placements) if pl.is_shard())
-            key = (id(g.device_mesh), dims)
-            meshes[key] = g.device_mesh
-            g = g.to_local()
-        device = g.device
-        sq = g.detach().float().pow(2).sum()
-        sums[key] = sums[key] + sq if key in sums else sq
-    total = torch.zeros((), device=device, dtype=torch.float32)
-    for key, value in sums.items():
-        for d in key[1] if key else ():
-            dist.all_reduce(value, group=meshes[key].get_group(d))
-        total = total + value
-    if pp_group is not None:
-        dist.all_reduce(total, group=pp_group)
-    return total.sqrt()
-
-
-def clip_(params: list[nn.Parameter], norm: torch.Tensor, max_norm: float | None) -> None:
-    """Scale every local gradient shard by min(1, max_norm / norm)."""
-    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
-    if max_norm and grads:
-        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].dtype))

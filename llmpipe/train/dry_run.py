@@ -89,7 +89,7 @@ def simulate(cfg: RunConfig, world_size: int, ranks: list[int] | None = None) ->
     """Reports for `ranks` (default: all) at `world_size`, one fake process group after another."""
     args = model_args(cfg.model, cfg.data.tokenizer.vocab_size if cfg.data.tokenizer.path is None else None)
     dims = mesh_mod.validate(cfg.train.parallel, args, world_size, cfg.train.micro_batch_size)
-    from llmpipe.parallel.model_parallel import check_supported
+    from llmpipe.parallel.mesh import check_supported
 
     check_supported(cfg, cfg.train.precision.dtype)  # what training would refuse, the dry run refuses too
     reports = []

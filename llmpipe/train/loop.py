@@ -191,9 +191,8 @@ def _build(cfg: RunConfig, env: Env, vocab_size: int):
 
 
 def _start_checks(cfg: RunConfig, env: Env, strategy) -> None:
-    """train.debug at start: the NaN guard's mode, and replicas' parameters compared."""
+    """train.debug at start: replicas' parameters compared (the NaN guard is the strategies' own)."""
     d = cfg.train.debug
-    strategy.nan_guard = d.nan_guard
     if not strategy.supports_replica_checks:
         if d.check_init_params or d.check_grad_consistency_every:
             log.warning("train.debug replica checks are not available with data=zero (DeepSpeed partitions); skipped")
@@ -277,9 +276,8 @@ class _Loop:
         return total / t.grad_accum_steps if seen else None
 
     def _optimizer_step(self, done: int) -> float:
-        """Troubleshooting checks around strategy.step() for optimizer step `done` (1-based)."""
+        """Troubleshooting checks around strategy.step(done) for optimizer step `done` (1-based)."""
         strategy, d, rank = self.strategy, self.cfg.train.debug, self.env.rank
-        strategy.step_number = done
         debug.hang(done, rank)  # test-only: a rank that stops answering
         if strategy.supports_replica_checks:
             grads = [(n, p.grad) for n, p in strategy.named_parameters()]
@@ -288,7 +286,7 @@ class _Loop:
             if d.check_grad_consistency_every and done % d.check_grad_consistency_every == 0:
                 debug.check_replicas(grads, strategy.replica_group(), "synchronised gradients", done)
         with profile.mark(profile.OPTIMIZER):
-            norm = strategy.step()
+            norm = strategy.step(done)
         scale = strategy.loss_scale()
         if scale is not None and scale < 1.0:
             log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "

@@ -64,7 +64,7 @@ def check_layout(cfg, data_dir: Path) -> None:
     process starts: one line naming the numbers (the ranks check again at start)."""
     from llmpipe.models.llama import model_args
     from llmpipe.parallel import mesh
-    from llmpipe.parallel.model_parallel import check_supported
+    from llmpipe.parallel.mesh import check_supported
 
     p = cfg.train.parallel
     nodes = len(_hosts(cfg)) or cfg.train.nodes
