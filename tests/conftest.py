@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +18,14 @@ from llmpipe.data.shards import token_dtype, write_shard
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+# Subprocesses the tests start (torchrun without llmpipe's --log-dir makes /tmp/torchelastic_*
+# folders) write their temporary files into one folder removed when the test session ends. This
+# process keeps the system's (tempfile caches it first), where pytest's tmp_path folders live.
+tempfile.gettempdir()
+_CHILD_TMP = tempfile.mkdtemp(prefix="llmpipe-tests-")
+os.environ["TMPDIR"] = _CHILD_TMP
+atexit.register(shutil.rmtree, _CHILD_TMP, True)
 
 
 def make_cfg(tmp_path: Path, check: config_mod.Check = "model", **sections) -> config_mod.RunConfig:
