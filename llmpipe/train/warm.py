@@ -92,11 +92,12 @@ def _why_not(source: Path, cfg, model: dict, data_digest: str, world: int) -> tu
 
 
 def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path, int] | None:
-    """Newest verified checkpoint of `source` usable here: not past the new max_steps, in the format
-    the new layout reads (ZeRO partitions: same world size) and, wsd on both sides, from the stable phase."""
+    """Newest verified checkpoint of `source` usable here: before the new max_steps (so the attempt
+    trains at least one step and writes its own final checkpoint), in the format the new layout reads
+    (ZeRO partitions: same world size) and, wsd on both sides, from the old run's stable phase."""
     from llmpipe.optim import stable_until
 
-    limit = cfg.train.max_steps
+    limit = cfg.train.max_steps - 1
     try:
         old_cfg = config_mod.from_dict(attempt["config"], source=str(source / ATTEMPT), check="fields")
     except (config_mod.ConfigError, KeyError):

@@ -82,13 +82,22 @@ def test_operational_changes_rerun_nothing_and_a_longer_run_warm_starts_keeping_
     assert ckpt.verify(old.path / "checkpoints" / "step-000006") is None  # still there, still valid
     assert stages.state(longer, "consolidate")[0] == "stale"  # new weights: downstream follows
 
+    # only the lr changes on the finished 9-step run: its own checkpoint is at step 9, nothing left to
+    # train from there, so the attempt before it (kept under superseded/) seeds it at step 6
+    manifest, executed = stages.run_stage("train", _load(path, "train.max_steps=9", "train.optim.lr=1e-3"))
+    warm = manifest.metrics["warm_start"]
+    assert executed and warm["step"] == 6 and warm["source"] == str(old.path)
+    assert warm["changed"]["train.optim.lr"] == [3e-4, 1e-3]
+    newer, oldest = attempts.kept(cfg.run_dir(), attempts.SUPERSEDED, "02_train")
+    assert oldest.path == old.path  # newest first
+
     assert cli.main(["status", "ops", "--artifacts-dir", str(tmp_path / "artifacts")]) == 0
     out = capsys.readouterr().out
-    assert "superseded (kept; `llmpipe clean ops` removes them): 1 folder(s)" in out and old.path.name in out
+    assert "superseded (kept; `llmpipe clean ops` removes them): 2 folder(s)" in out and old.path.name in out
     assert cli.main(["clean", "ops", "--artifacts-dir", str(tmp_path / "artifacts"), "--keep", "1"]) == 0
-    assert old.path.is_dir()  # --keep 1 keeps the newest
+    assert newer.path.is_dir() and not old.path.exists()  # --keep 1 keeps the newest
     assert cli.main(["clean", "ops", "--artifacts-dir", str(tmp_path / "artifacts")]) == 0
-    assert not old.path.exists() and "1 superseded folder(s) removed" in capsys.readouterr().out
+    assert not newer.path.exists() and "1 superseded folder(s) removed" in capsys.readouterr().out
 
 
 def test_a_failed_run_resumes_on_one_process_after_losing_one_and_deletes_nothing(tmp_path):
