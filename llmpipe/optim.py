@@ -85,6 +85,21 @@ def global_batch(cfg, world: int) -> int:
 
 
 
+def _groups(model: nn.Module) -> dict[tuple, list[tuple[str, nn.Parameter]]]:
+    """(decays, DTensor mesh) -> [(name, parameter)], in order of first appearance."""
+    groups: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
+    for name, p in model.named_parameters():
+        mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
+        shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partitioned parameter's own shape
+        groups.setdefault((len(shape) >= 2, mesh), []).append((name, p))
+    return groups
+
+
+def param_order(model: nn.Module) -> list[str]:
+    """Parameter names in the order build_optimizer's optimizer numbers them (its state_dict's ids)."""
+    return [name.replace("_checkpoint_wrapped_module.", "") for ps in _groups(model).values() for name, _ in ps]
+
+
 def build_optimizer(model: nn.Module, cfg, world: int | None = None):
     """AdamW over `model`'s parameters (decay on matrices only) and its LambdaLR schedule (peak lr
     scaled by the global batch and warm-up in micro-batches when the config asks). Parameters are
@@ -93,12 +108,8 @@ def build_optimizer(model: nn.Module, cfg, world: int | None = None):
     o = cfg.train.optim
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
-    groups: dict[tuple, list[nn.Parameter]] = {}
-    for p in model.parameters():
-        mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
-        shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partitioned parameter's own shape
-        groups.setdefault((len(shape) >= 2, mesh), []).append(p)
-    opt = torch.optim.AdamW([{"params": ps, "weight_decay": o.weight_decay if decay else 0.0}
+    groups = _groups(model)
+    opt = torch.optim.AdamW([{"params": [p for _, p in ps], "weight_decay": o.weight_decay if decay else 0.0}
                              for (decay, _), ps in groups.items()],
                             lr=peak_lr(cfg, world), betas=tuple(o.betas), eps=o.eps, foreach=True)
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, schedule_factor(cfg))

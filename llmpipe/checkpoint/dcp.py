@@ -68,7 +68,11 @@ def model_tensors(reader: FileSystemReader) -> dict[str, TensorStorageMetadata]:
 
 def load_tensor(reader: FileSystemReader, name: str, meta: TensorStorageMetadata) -> torch.Tensor:
     """One full model tensor, assembled from every rank's chunk, on CPU."""
-    key = MODEL_PREFIX + name
+    return load_key(reader, MODEL_PREFIX + name, meta)
+
+
+def load_key(reader: FileSystemReader, key: str, meta: TensorStorageMetadata) -> torch.Tensor:
+    """The full tensor stored under DCP key `key` (model or optimizer state), on CPU."""
     target = {key: torch.empty(meta.size, dtype=meta.properties.dtype)}
     with warnings.catch_warnings():
         # NOTE: dcp.load warns "torch.distributed is disabled ..." even when asked for no_dist.

@@ -194,14 +194,20 @@ class _Partitions:
     """The ranks' fp32 flat groups, memory-mapped on demand; dropped (unmapped) after `remap_bytes`
     have been read, so the file pages touched so far stop counting in this process's RSS."""
 
-    def __init__(self, layout: Layout, remap_bytes: int):
-        self.layout, self.remap_bytes = layout, remap_bytes
+    def __init__(self, layout: Layout, remap_bytes: int, state: str | None = None):
+        self.layout, self.remap_bytes, self.state = layout, remap_bytes, state
         self.open: dict[int, list[torch.Tensor]] = {}
         self.read = 0
 
     def groups(self, rank: int) -> list[torch.Tensor]:
+        """This rank's flat groups: the fp32 master partitions, or (`state`) AdamW's state of them."""
         if rank not in self.open:
-            self.open[rank] = load_pt(self.layout.files[rank])["optimizer_state_dict"][self.layout.groups_key]
+            optim = load_pt(self.layout.files[rank])["optimizer_state_dict"]
+            if self.state is None:
+                self.open[rank] = optim[self.layout.groups_key]
+            else:  # the torch optimizer over the flat groups: ZeRO-1/2 and ZeRO-3 file it differently
+                states = optim["optimizer_state_dict" if self.layout.stage == 3 else "base_optimizer_state"]["state"]
+                self.open[rank] = [states[g][self.state] for g in sorted(states)]
         return self.open[rank]
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -226,6 +232,27 @@ def _tensor_specs(layout: Layout, dtype: torch.dtype) -> dict[str, tuple[str, tu
     specs.update({n: (n, tuple(b.shape), dtype if b.is_floating_point() else b.dtype)
                   for n, b in layout.buffers.items()})
     return dict(sorted(specs.items()))
+
+
+def read_full_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict[str, torch.Tensor]], dict]:
+    """A ZeRO checkpoint as full fp32 tensors by name: the master weights, AdamW's exp_avg and
+    exp_avg_sq per parameter (assembled from the same flat layout) and its step, and the trainer
+    state llmpipe stored as DeepSpeed's client state (with DeepSpeed's lr scheduler state)."""
+    layout = read_layout(checkpoint)
+    weights, moments = _Partitions(layout, REMAP_BYTES), {k: _Partitions(layout, REMAP_BYTES, k)
+                                                         for k in ("exp_avg", "exp_avg_sq")}
+    first = load_pt(layout.files[0])["optimizer_state_dict"]
+    states = first["optimizer_state_dict" if layout.stage == 3 else "base_optimizer_state"]["state"]
+    model, optim = {}, {}
+    for name in layout.shapes:
+        model[name] = weights.tensor(name).clone()
+        group = layout.pieces[name][0][1]
+        optim[name] = {k: p.tensor(name).clone() for k, p in moments.items()}
+        optim[name]["step"] = states[group]["step"].clone()
+    client = load_pt(_model_file(deepspeed_dir(checkpoint)))
+    trainer = {k: client[k] for k in ("step", "consumed_samples", "torch_rng")}
+    trainer["scheduler"] = client["lr_scheduler"]
+    return model, optim, trainer
 
 
 def consolidate_zero(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda n: n,

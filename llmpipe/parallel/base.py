@@ -105,6 +105,32 @@ class Strategy:
         """(optimizer, LambdaLR) pairs this strategy steps; a resume re-tunes them to the config."""
         return [(self.opt, self.sched)]
 
+    def state_modules(self) -> list[tuple[nn.Module, Any]]:
+        """(module, its optimizer) pairs whose state a checkpoint holds (not DDP's wrapper)."""
+        return [(self.model, self.opt)]
+
+    def load_full(self, model: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]]) -> None:
+        """Load full tensors by llmpipe name (another layout's checkpoint, llmpipe.checkpoint.portable)
+        into this rank's shards: parameters and AdamW states."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True)
+        for module, opt in self.state_modules():
+            names = [_clean(n) for n, _ in module.named_parameters()]
+            missing = [n for n in names if n not in model or n not in optim]
+            if missing:
+                raise ValueError(f"train.checkpoint.resume: the checkpoint has no {missing[0]} (or its optimizer "
+                                 "state); it is not this model")
+            set_model_state_dict(module, {n: model[n] for n in names}, options=full)
+            osd = get_optimizer_state_dict(module, opt, options=full)  # this optimizer's groups, by name
+            osd["state"] = {n: optim[n] for n in names}
+            set_optimizer_state_dict(module, opt, osd, options=full)
+
     flat_param_groups = False  # param groups hold flattened partitions (ZeRO), not the model's shapes
 
     def close(self) -> None:

@@ -182,6 +182,9 @@ class ModelParallelStrategy(Strategy):
     def optimizers(self) -> list[tuple[Any, Any]]:
         return list(zip(self.opts, self.scheds))
 
+    def state_modules(self) -> list[tuple[nn.Module, Any]]:
+        return list(zip(self.parts, self.opts))
+
     # -- checkpoints ----------------------------------------------------------------------------------
 
     def _state(self) -> dict[str, Any]:

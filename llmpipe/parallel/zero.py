@@ -104,6 +104,44 @@ class ZeroStrategy(Strategy):
 
     flat_param_groups = True
 
+    def load_full(self, model, optim) -> None:
+        """Another layout's checkpoint into ZeRO's partitions, through DeepSpeed's public tensor-fragment
+        API (safe_set_full_*): the fp32 masters and AdamW's moments; then the module's own weights (whole
+        under ZeRO-1/2, this rank's partitions under ZeRO-3) and the optimizer's step count."""
+        from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+        from llmpipe.parallel.base import _clean
+        from llmpipe.parallel.builder import _write_partition
+
+        steps = {float(s["step"]) for s in optim.values()}
+        inner = self.engine.optimizer.optimizer  # the torch optimizer over DeepSpeed's flat groups
+        # NOTE: torch's AdamW makes its states at the first step, and DeepSpeed links each parameter's
+        # fragments of them only then: made here as AdamW would, then linked, so they can be set.
+        flats = [f for g in inner.param_groups for f in g["params"]]
+        flats += getattr(self.engine.optimizer, "fp32_partitioned_groups_flat", [])  # ZeRO-3's sub-groups
+        for flat in flats:
+            state = inner.state[flat]
+            state.setdefault("step", torch.tensor(0.0))
+            for key in ("exp_avg", "exp_avg_sq"):
+                state.setdefault(key, torch.zeros_like(flat))
+        link = getattr(self.engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+        if link is not None:  # ZeRO-1/2 (private in DeepSpeed 0.19)
+            link()
+        for name, p in self.engine.module.named_parameters():
+            n = _clean(name)
+            full = model[n].float()
+            safe_set_full_fp32_param(p, full)
+            for key in ("exp_avg", "exp_avg_sq"):
+                safe_set_full_optimizer_state(p, optim[n][key].float(), key)
+            with torch.no_grad():
+                if hasattr(p, "ds_tensor"):
+                    _write_partition(p, full, self.env.rank, self.env.world)
+                else:
+                    p.data.copy_(full.to(p.dtype))
+        for state in inner.state.values():
+            if "step" in state:
+                state["step"] = torch.tensor(max(steps), dtype=torch.float32)
+
     def optimizers(self) -> list[tuple[Any, Any]]:
         return [(self.engine.optimizer, self.engine.lr_scheduler)]
 

@@ -131,10 +131,13 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
 
 def _restore(folder: Path, strategy, cfg: RunConfig) -> tuple[int, int]:
     meta = ckpt.read_meta(folder)
-    if meta.get("format") != strategy.format:
-        raise ValueError(f"train.checkpoint.resume: {folder} has format {meta.get('format')!r}, but "
-                         f"train.parallel.data={strategy.format!r} needs {strategy.format!r}")
-    state = strategy.read_checkpoint(folder)
+    if meta.get("format") == strategy.format and meta.get("strategy", type(strategy).__name__) == \
+            type(strategy).__name__:
+        state = strategy.read_checkpoint(folder)  # its own layout (DCP reshards another world size)
+    else:  # another layout: full tensors by name, resharded into this one (llmpipe.checkpoint.portable)
+        from llmpipe.checkpoint import portable
+
+        state = portable.load_into(strategy, folder)
     torch.set_rng_state(state["torch_rng"].cpu())
     retune(strategy, cfg)
     log.info("resumed from %s (step %d)", folder, state["step"])
@@ -173,8 +176,8 @@ def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
 
 def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env, writer: MetricsWriter) -> None:
     """Checkpoint `step`; metrics.jsonl gets the seconds the step loop was blocked by it."""
-    meta = {"format": strategy.format, "world_size": env.world, "model": args.to_dict(),
-            "consumed_samples": consumed}
+    meta = {"format": strategy.format, "strategy": type(strategy).__name__, "world_size": env.world,
+            "model": args.to_dict(), "consumed_samples": consumed}
     kw = {"asynchronous": True, "group": saver.group} if saver.asynchronous else {}
     stall = saver.save(step, lambda folder: strategy.write_checkpoint(folder, _trainer_state(step, consumed), **kw),
                        meta)

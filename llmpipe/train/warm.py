@@ -3,7 +3,8 @@
 When the train stage runs again because a result-defining field changed (lr, max_steps, the global
 batch...) and its own folder holds no checkpoint yet, the newest verified checkpoint of an earlier
 attempt of the same run is the starting point, provided the model architecture and the data
-(prepare_data's content digest) are unchanged and the checkpoint's format loads under the new layout.
+(prepare_data's content digest) are unchanged; a checkpoint of another layout is resharded on load
+(llmpipe.checkpoint.portable), except into ZeRO, which takes ZeRO partitions of its world size.
 Earlier attempts are the stage's completed folder (02_train) and the folders kept under
 superseded/; each holds `attempt.json` (written at launch: the data digest and the config it ran).
 
@@ -93,8 +94,8 @@ def _why_not(source: Path, cfg, model: dict, data_digest: str, world: int) -> tu
 
 def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path, int] | None:
     """Newest verified checkpoint of `source` usable here: before the new max_steps (so the attempt
-    trains at least one step and writes its own final checkpoint), in the format the new layout reads
-    (ZeRO partitions: same world size) and, wsd on both sides, from the old run's stable phase."""
+    trains at least one step and writes its own final checkpoint), of any layout (into ZeRO: ZeRO
+    partitions of the same world size only) and, wsd on both sides, from the old run's stable phase."""
     from llmpipe.optim import stable_until
 
     limit = cfg.train.max_steps - 1
@@ -110,9 +111,10 @@ def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path
             meta = ckpt.read_meta(folder)
         except (OSError, ValueError):
             continue
-        if meta.get("step", 0) > limit or meta.get("format") != want:
+        if meta.get("step", 0) > limit:
             continue
-        if want == "deepspeed" and meta.get("world_size") != world:
+        # a ZeRO run loads ZeRO partitions of its own world size only (any checkpoint loads elsewhere)
+        if want == "deepspeed" and (meta.get("format") != want or meta.get("world_size") != world):
             continue
         if ckpt.verify(folder) is None:
             return folder, int(meta["step"])

@@ -1,0 +1,106 @@
+"""Topology-free resume: a checkpoint of one layout read as full tensors under llmpipe's parameter
+names, then loaded into another layout's shards.
+
+    format "full" (DDP)   model.safetensors; optimizer.pt's states keyed by position, which the
+                          optimizer's parameter order (llmpipe.optim.param_order) turns into names
+    format "dcp"          FSDP2 and dp x tp x pp: every "model.<name>" and "optim.state.<name>.<key>"
+                          tensor assembled from all ranks' chunks (DCP reshards on read)
+    format "deepspeed"    ZeRO-1/2/3: the fp32 master weights and AdamW's moments rebuilt from the
+                          ranks' flat partitions (llmpipe.checkpoint.zero.read_full_state)
+
+The target strategy loads them with torch.distributed.checkpoint.state_dict's full-state-dict
+setters, which slice each full tensor into the rank's shard (DDP: whole; FSDP2: dim-0 shards; TP:
+DTensor placements; PP: the stage's own names). Trainer state (step, data position, RNG, schedule,
+loss scale) comes from trainer_state.pt (ZeRO: DeepSpeed's client state). Loading into ZeRO from
+another layout is not done yet: a ZeRO run resumes from ZeRO checkpoints of its own world size.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from llmpipe.checkpoint import io as ckpt
+
+log = logging.getLogger("llmpipe.checkpoint")
+
+TRAINER = "trainer_state.pt"  # written by rank 0 in the "full" and "dcp" formats
+OPTIM = "optimizer.pt"
+_OPTIM_PREFIX = "optim.state."
+
+
+@dataclass
+class Portable:
+    model: dict[str, torch.Tensor]  # llmpipe name -> full tensor
+    optim: dict[str, dict[str, torch.Tensor]]  # llmpipe name -> {exp_avg, exp_avg_sq, step}
+    trainer: dict[str, Any]  # step, consumed_samples, torch_rng, scheduler, scaler
+
+
+def read(folder: Path) -> Portable:
+    """Any torch-native checkpoint as full tensors; ValueError for a format this cannot read."""
+    folder = Path(folder)
+    meta = ckpt.read_meta(folder)
+    fmt = meta.get("format")
+    if fmt == "deepspeed":
+        from llmpipe.checkpoint.zero import read_full_state
+
+        return Portable(*read_full_state(folder))
+    if fmt not in ("full", "dcp"):
+        raise ValueError(f"train.checkpoint.resume: {folder} has an unknown format {fmt!r}")
+    trainer = torch.load(folder / TRAINER, map_location="cpu", weights_only=True)
+    if fmt == "full":
+        return Portable(*_read_full(folder, meta), trainer)
+    return Portable(*_read_dcp(folder), trainer)
+
+
+def _read_full(folder: Path, meta: dict) -> tuple[dict, dict]:
+    from llmpipe.models.llama.model import ModelArgs, Transformer
+    from llmpipe.optim import param_order
+
+    model = load_file(str(folder / ckpt.MODEL))
+    saved = torch.load(folder / OPTIM, map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        names = param_order(Transformer(ModelArgs(**meta["model"])))  # the writer's optimizer order
+    ids = [i for g in saved["param_groups"] for i in g["params"]]
+    if len(ids) != len(names):
+        raise ValueError(f"{folder / OPTIM}: {len(ids)} optimizer parameters, the model has {len(names)}")
+    by_id = dict(zip(ids, names))
+    return model, {by_id[i]: dict(s) for i, s in saved["state"].items()}
+
+
+def _read_dcp(folder: Path) -> tuple[dict, dict]:
+    from llmpipe.checkpoint.dcp import DCP_DIR, MODEL_PREFIX, _Reader, load_key
+
+    reader = _Reader(folder / DCP_DIR)
+    model: dict[str, torch.Tensor] = {}
+    optim: dict[str, dict[str, torch.Tensor]] = {}
+    for key, entry in sorted(reader.read_metadata().state_dict_metadata.items()):
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        if key.startswith(MODEL_PREFIX):
+            model[key.removeprefix(MODEL_PREFIX)] = load_key(reader, key, entry)
+        elif key.startswith(_OPTIM_PREFIX):
+            name, _, state = key.removeprefix(_OPTIM_PREFIX).rpartition(".")
+            optim.setdefault(name, {})[state] = load_key(reader, key, entry)
+    return model, optim
+
+
+def load_into(strategy, folder: Path) -> dict[str, Any]:
+    """Read `folder` (any torch-native layout) into `strategy` (DDP, FSDP2, dp x tp x pp); returns the
+    trainer state. The schedule and loss scale are restored here; the loop re-tunes the rest."""
+    state = read(folder)
+    strategy.load_full(state.model, state.optim)
+    for _, sched in strategy.optimizers():
+        sched.load_state_dict(state.trainer["scheduler"])
+    scaler = getattr(strategy, "scaler", None)
+    if scaler is not None and state.trainer.get("scaler"):
+        scaler.load_state_dict(state.trainer["scaler"])
+    log.info("resumed %s into a %s layout: %d tensors, %d optimizer states resharded", folder,
+             type(strategy).__name__, len(state.model), len(state.optim))
+    return state.trainer
