@@ -11,13 +11,14 @@ names, then loaded into another layout's shards.
 The target strategy loads them with torch.distributed.checkpoint.state_dict's full-state-dict
 setters, which slice each full tensor into the rank's shard (DDP: whole; FSDP2: dim-0 shards; TP:
 DTensor placements; PP: the stage's own names). Trainer state (step, data position, RNG, schedule,
-loss scale) comes from trainer_state.pt (ZeRO: DeepSpeed's client state). Loading into ZeRO from
-another layout is not done yet: a ZeRO run resumes from ZeRO checkpoints of its own world size.
+loss scale) comes from trainer_state.pt (ZeRO: DeepSpeed's client state). Into ZeRO, weights and
+moments go through DeepSpeed's public tensor-fragment API (ZeroStrategy.load_full).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -94,6 +95,7 @@ def _read_dcp(folder: Path) -> tuple[dict, dict]:
 def load_into(strategy, folder: Path) -> dict[str, Any]:
     """Read `folder` (any torch-native layout) into `strategy` (DDP, FSDP2, dp x tp x pp); returns the
     trainer state. The schedule and loss scale are restored here; the loop re-tunes the rest."""
+    t0 = time.perf_counter()
     state = read(folder)
     strategy.load_full(state.model, state.optim)
     for _, sched in strategy.optimizers():
@@ -101,6 +103,6 @@ def load_into(strategy, folder: Path) -> dict[str, Any]:
     scaler = getattr(strategy, "scaler", None)
     if scaler is not None and state.trainer.get("scaler"):
         scaler.load_state_dict(state.trainer["scaler"])
-    log.info("resumed %s into a %s layout: %d tensors, %d optimizer states resharded", folder,
-             type(strategy).__name__, len(state.model), len(state.optim))
+    log.info("resumed %s into a %s layout: %d tensors, %d optimizer states resharded in %.2fs", folder,
+             type(strategy).__name__, len(state.model), len(state.optim), time.perf_counter() - t0)
     return state.trainer

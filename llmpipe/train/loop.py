@@ -131,8 +131,9 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
 
 def _restore(folder: Path, strategy, cfg: RunConfig) -> tuple[int, int]:
     meta = ckpt.read_meta(folder)
-    if meta.get("format") == strategy.format and meta.get("strategy", type(strategy).__name__) == \
-            type(strategy).__name__:
+    own = meta.get("format") == strategy.format and meta.get("strategy", type(strategy).__name__) == \
+        type(strategy).__name__
+    if own and (strategy.format != "deepspeed" or meta.get("world_size") == dist_world()):
         state = strategy.read_checkpoint(folder)  # its own layout (DCP reshards another world size)
     else:  # another layout: full tensors by name, resharded into this one (llmpipe.checkpoint.portable)
         from llmpipe.checkpoint import portable
@@ -142,6 +143,10 @@ def _restore(folder: Path, strategy, cfg: RunConfig) -> tuple[int, int]:
     retune(strategy, cfg)
     log.info("resumed from %s (step %d)", folder, state["step"])
     return int(state["step"]), int(state["consumed_samples"])
+
+
+def dist_world() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def retune(strategy, cfg: RunConfig) -> None:

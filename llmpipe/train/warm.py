@@ -3,8 +3,8 @@
 When the train stage runs again because a result-defining field changed (lr, max_steps, the global
 batch...) and its own folder holds no checkpoint yet, the newest verified checkpoint of an earlier
 attempt of the same run is the starting point, provided the model architecture and the data
-(prepare_data's content digest) are unchanged; a checkpoint of another layout is resharded on load
-(llmpipe.checkpoint.portable), except into ZeRO, which takes ZeRO partitions of its world size.
+(prepare_data's content digest) are unchanged; a checkpoint of another layout or world size is
+resharded on load (llmpipe.checkpoint.portable).
 Earlier attempts are the stage's completed folder (02_train) and the folders kept under
 superseded/; each holds `attempt.json` (written at launch: the data digest and the config it ran).
 
@@ -50,14 +50,6 @@ class WarmStart:
                 f"carried over {', '.join(CARRIED)}; lr schedule and optimizer settings from the new config")
 
 
-def checkpoint_format(cfg: config_mod.RunConfig) -> str:
-    """The checkpoint format the layout writes and reads (each strategy's `format`)."""
-    p = cfg.train.parallel
-    if p.tp > 1 or p.pp > 1 or p.data == "fsdp":
-        return "dcp"
-    return "deepspeed" if p.data == "zero" else "full"
-
-
 def write_attempt(work_dir: Path, cfg: config_mod.RunConfig, data_digest: str) -> None:
     (Path(work_dir) / ATTEMPT).write_text(json.dumps({"data": data_digest, "config": cfg.to_dict()}, indent=2)
                                           + "\n")
@@ -78,7 +70,7 @@ def _candidates(run_dir: Path, stage_folder: Path) -> list[Path]:
     return found + [k.path for k in attempts.kept(run_dir, attempts.SUPERSEDED, stage_folder.name)]
 
 
-def _why_not(source: Path, cfg, model: dict, data_digest: str, world: int) -> tuple[str | None, dict]:
+def _why_not(source: Path, model: dict, data_digest: str) -> tuple[str | None, dict]:
     """Why an earlier attempt cannot seed this one (None if it can), and its recorded attempt."""
     try:
         attempt = json.loads((source / ATTEMPT).read_text())
@@ -92,10 +84,10 @@ def _why_not(source: Path, cfg, model: dict, data_digest: str, world: int) -> tu
     return None, attempt
 
 
-def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path, int] | None:
+def _pick_checkpoint(source: Path, cfg, attempt: dict) -> tuple[Path, int] | None:
     """Newest verified checkpoint of `source` usable here: before the new max_steps (so the attempt
-    trains at least one step and writes its own final checkpoint), of any layout (into ZeRO: ZeRO
-    partitions of the same world size only) and, wsd on both sides, from the old run's stable phase."""
+    trains at least one step and writes its own final checkpoint), of any layout (resharded on load)
+    and, wsd on both sides, from the old run's stable phase."""
     from llmpipe.optim import stable_until
 
     limit = cfg.train.max_steps - 1
@@ -105,7 +97,6 @@ def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path
         old_cfg = None
     if old_cfg is not None and cfg.train.schedule.decay == "wsd" and old_cfg.train.schedule.decay == "wsd":
         limit = min(limit, stable_until(old_cfg) or limit)
-    want = checkpoint_format(cfg)
     for folder in reversed(ckpt.list_steps(source / "checkpoints")):
         try:
             meta = ckpt.read_meta(folder)
@@ -113,28 +104,25 @@ def _pick_checkpoint(source: Path, cfg, attempt: dict, world: int) -> tuple[Path
             continue
         if meta.get("step", 0) > limit:
             continue
-        # a ZeRO run loads ZeRO partitions of its own world size only (any checkpoint loads elsewhere)
-        if want == "deepspeed" and (meta.get("format") != want or meta.get("world_size") != world):
-            continue
         if ckpt.verify(folder) is None:
             return folder, int(meta["step"])
         log.warning("checkpoint %s does not verify; not used for a warm start", folder)
     return None
 
 
-def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str, world: int) -> WarmStart | None:
+def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str) -> WarmStart | None:
     """The warm start for this attempt, or None (its own checkpoints come first; resume must be auto)."""
     resume = cfg.train.checkpoint.resume
     if not (resume is True or resume == "auto") or ckpt.latest_valid(Path(work_dir) / "checkpoints"):
         return None
     new_tree = cfg.to_dict()
     for source in _candidates(cfg.run_dir(), stage_folder):
-        problem, attempt = _why_not(source, cfg, model, data_digest, world)
-        picked = None if problem else _pick_checkpoint(source, cfg, attempt, world)
+        problem, attempt = _why_not(source, model, data_digest)
+        picked = None if problem else _pick_checkpoint(source, cfg, attempt)
         if picked is None:
             log.info("no warm start from %s: %s", source,
-                     problem or f"no verified {checkpoint_format(cfg)} checkpoint usable at max_steps "
-                     f"{cfg.train.max_steps} (format, world size or wsd stable phase)")
+                     problem or f"no verified checkpoint before max_steps {cfg.train.max_steps} "
+                     "(and, with wsd, in the old run's stable phase)")
             continue
         return WarmStart(picked[0], picked[1], source, diff(attempt.get("config", {}), new_tree))
     return None
@@ -146,7 +134,6 @@ WARM_START = "warm_start.json"  # in the train folder: where this training start
 def prepare(ctx) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """For the train stage: the config tree to hand the ranks (with resume pointing at the warm-start
     checkpoint when there is one) and the warm-start record of this training, if any."""
-    from llmpipe.config_checks import launch_world
     from llmpipe.models.llama import model_args
 
     cfg, out = ctx.cfg, Path(ctx.work_dir)
@@ -156,10 +143,9 @@ def prepare(ctx) -> tuple[dict[str, Any], dict[str, Any] | None]:
     tree = cfg.to_dict()
     vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
     model = model_args(cfg.model, vocab_size=vocab).to_dict()
-    world = (launch_world(cfg) or (cfg.train.nproc_per_node, 1))[0]
     from llmpipe.stages import stage_dir
 
-    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest, world)
+    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest)
     if found is not None:
         log.info("%s", found.describe())
         tree["train"]["checkpoint"]["resume"] = str(found.checkpoint)

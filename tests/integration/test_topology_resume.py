@@ -30,6 +30,7 @@ LAYOUTS = {
     "ddp1": (1, {"train__micro_batch_size": 8}),
     "fsdp2": (2, {"train__micro_batch_size": 4, "train__parallel": {"data": "fsdp"}}),
     "zero2-2": (2, {"train__micro_batch_size": 4, "train__parallel": {"data": "zero", "zero_stage": 2}}),
+    "zero3-1": (1, {"train__micro_batch_size": 8, "train__parallel": {"data": "zero", "zero_stage": 3}}),
 }
 
 
@@ -45,7 +46,8 @@ def _weights(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("a,b", [("ddp2", "fsdp1"), ("ddp2", "tp2"), ("pp2", "ddp2"), ("zero3-2", "ddp1"),
-                                 ("fsdp2", "zero2-2"), ("ddp2", "zero3-2")])
+                                 ("fsdp2", "zero2-2"), ("ddp2", "zero3-2"),
+                                 ("zero3-2", "zero3-1")])
 def test_a_checkpoint_resumes_under_another_layout(runs, tmp_path, a, b):
     nproc_a, sections_a = LAYOUTS[a]
     first = runs(a, nproc=nproc_a, **sections_a)  # uninterrupted: the reference
