@@ -121,7 +121,7 @@ class Strategy:
 
         full = StateDictOptions(full_state_dict=True)
         for module, opt in self.state_modules():
-            names = [_clean(n) for n, _ in module.named_parameters()]
+            names = [clean_name(n) for n, _ in module.named_parameters()]
             missing = [n for n in names if n not in model or n not in optim]
             if missing:
                 raise ValueError(f"train.checkpoint.resume: the checkpoint has no {missing[0]} (or its optimizer "
@@ -148,7 +148,7 @@ class Strategy:
 
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """(llmpipe name, parameter) of what this rank holds, wrapper prefixes removed."""
-        return [(_clean(n), p) for n, p in self.module.named_parameters()]
+        return [(clean_name(n), p) for n, p in self.module.named_parameters()]
 
     def replica_group(self):
         """The process group of this rank's data-parallel replicas (None: every rank)."""
@@ -172,7 +172,7 @@ class Strategy:
         return True
 
 
-def _clean(name: str) -> str:
+def clean_name(name: str) -> str:
     for prefix in ("module.", "_checkpoint_wrapped_module.", "_orig_mod."):
         name = name.replace(prefix, "")
     return name

@@ -78,12 +78,12 @@ def zero3_model(cfg, env, args: ModelArgs, ds_config: dict) -> Transformer:
         for name, p in model.named_parameters():
             clean = name.replace("_checkpoint_wrapped_module.", "")
             full = source(clean) if source else init_tensor(args, clean, tuple(p.ds_shape), cfg.run.seed)
-            _write_partition(p, full, env.rank, env.world)
+            write_partition(p, full, env.rank, env.world)
     model.train()
     return model
 
 
-def _write_partition(p, full: torch.Tensor, rank: int, world: int) -> None:
+def write_partition(p, full: torch.Tensor, rank: int, world: int) -> None:
     """This rank's ZeRO-3 partition of parameter `p` from its full value. DeepSpeed's layout
     (partition_parameters._partition_param): the flattened tensor, padded to a multiple of the world
     size, cut into `world` equal parts, part r on rank r."""

@@ -110,8 +110,8 @@ class ZeroStrategy(Strategy):
         under ZeRO-1/2, this rank's partitions under ZeRO-3) and the optimizer's step count."""
         from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
-        from llmpipe.parallel.base import _clean
-        from llmpipe.parallel.builder import _write_partition
+        from llmpipe.parallel.base import clean_name
+        from llmpipe.parallel.builder import write_partition
 
         steps = {float(s["step"]) for s in optim.values()}
         inner = self.engine.optimizer.optimizer  # the torch optimizer over DeepSpeed's flat groups
@@ -128,14 +128,14 @@ class ZeroStrategy(Strategy):
         if link is not None:  # ZeRO-1/2 (private in DeepSpeed 0.19)
             link()
         for name, p in self.engine.module.named_parameters():
-            n = _clean(name)
+            n = clean_name(name)
             full = model[n].float()
             safe_set_full_fp32_param(p, full)
             for key in ("exp_avg", "exp_avg_sq"):
                 safe_set_full_optimizer_state(p, optim[n][key].float(), key)
             with torch.no_grad():
                 if hasattr(p, "ds_tensor"):
-                    _write_partition(p, full, self.env.rank, self.env.world)
+                    write_partition(p, full, self.env.rank, self.env.world)
                 else:
                     p.data.copy_(full.to(p.dtype))
         for state in inner.state.values():
