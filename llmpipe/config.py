@@ -331,6 +331,10 @@ class ExportSection(Section):
     parity_shapes: list[tuple[int, int]] = Res([(1, 16), (2, 64)], min_length=1,
                                                  description="(batch, seq) shapes checked for parity.")
     allow_large_opset: bool = Res(False, description="Allow opset > 18 (ATC cannot read it).")
+    static_decoder: bool = Res(True, description="Also export decoder_static.onnx: a KV-cache decoder whose "
+                               "cache has a fixed length (what ATC can compile; decoded in place).")
+    kv_cache_len: int | None = Res(None, ge=2, description="Cache slots of the static decoder (the longest "
+                                   "prompt + generated text it holds); null: min(model max_seq_len, 1024).")
 
     @model_validator(mode="after")
     def _opset(self) -> ExportSection:
@@ -349,6 +353,10 @@ class ConvertOmSection(Section):
     precision_mode_v2: str | None = Res("fp16", description="--precision_mode_v2, e.g. fp16, origin.")
     op_select_implmode: Literal["high_performance", "high_precision"] | None = Res(
         None, description="--op_select_implmode.")
+    decoder: bool = Res(True, description="Also compile export_onnx's decoder_static.onnx to decoder.om "
+                        "(static shapes: decode_batch x decode_chunk new tokens over the fixed cache).")
+    decode_batch: int = Res(1, ge=1, description="Batch size decoder.om is compiled for.")
+    decode_chunk: int = Res(1, ge=1, description="New tokens per decoder.om call (1: token by token).")
     log: Literal["debug", "info", "warning", "error", "null"] = Op("error", description="ATC --log level.")
     timeout_s: int = Op(3600, ge=1, description="Kill ATC after this many seconds.")
 
@@ -357,6 +365,42 @@ class ConvertOmSection(Section):
         if self.precision_mode and self.precision_mode_v2:
             raise ValueError("set precision_mode or precision_mode_v2, not both (ATC rejects both)")
         return self
+
+
+class GateSection(Section):
+    max_ppl_increase: float | None = Res(None, ge=0, description="Largest relative perplexity increase over "
+                                         "torch fp32 on the validation text (0.01 = 1%); null: no limit.")
+    min_top1: float | None = Res(None, ge=0, le=1, description="Smallest top-1 agreement with torch fp32 on "
+                                 "the validation text; null: no limit.")
+
+
+def _gate(ppl: float, top1: float) -> Any:
+    return Res(default_factory=lambda: GateSection(max_ppl_increase=ppl, min_top1=top1),
+               description=f"Quality limits (default: perplexity +{ppl:g}, top-1 >= {top1:g}).")
+
+
+class QualitySection(Section):
+    samples: int = Res(16, ge=1, description="Validation sequences scored (a fixed, seeded sample).")
+    seq_len: int | None = Res(None, ge=2, description="Tokens per scored sequence; null: data.seq_len.")
+    continuation_prompts: int = Res(4, ge=0, description="Validation prompts continued greedily per variant.")
+    continuation_tokens: int = Res(32, ge=1, description="Greedy tokens per continuation.")
+    enforce: bool = Res(True, description="A variant outside its limits fails the stage; false: marked "
+                        "rejected in the results.")
+    fp32: GateSection = _gate(0.001, 0.995)
+    fp16: GateSection = _gate(0.01, 0.98)
+    int8: GateSection = _gate(0.10, 0.85)
+    om: GateSection = _gate(0.02, 0.95)
+
+
+class LlmBenchSection(Section):
+    prompt_lens: list[int] = Res([32, 128], min_length=1, description="Prompt lengths for prefill latency "
+                                 "and time to first token (batch 1).")
+    batches: list[int] = Res([1, 4, 8], min_length=1, description="Batch sizes for time per output token.")
+    decode_prompt_len: int = Res(32, ge=1, description="Prompt length before the decode measurements.")
+    new_tokens: int = Res(32, ge=2, description="Tokens generated per decode measurement.")
+    repeats: int = Res(3, ge=1, description="Timed repetitions of each measurement (after one warm-up).")
+    sample_prompt: str = Res("def main(", description="Prompt of the generated sample shown per variant.")
+    sample_tokens: int = Res(48, ge=1, description="Greedy tokens in each shown sample.")
 
 
 class BenchmarkSection(Section):
@@ -369,6 +413,11 @@ class BenchmarkSection(Section):
     iters: int = Res(50, ge=1, description="Timed iterations per measurement.")
     torch_baseline: bool = Res(True, description="Measure PyTorch eager in the same run.")
     threads: int | None = Res(None, ge=1, description="Intra-op threads for ORT and torch; null: all cores.")
+    llm: LlmBenchSection = Res(default_factory=LlmBenchSection, description="Generation benchmark: TTFT, "
+                               "time per output token, decode tokens/s.")
+    quality: QualitySection = Res(default_factory=QualitySection, description="Quality on validation text, "
+                                  "and the limits a variant must meet.")
+    device_id: int = Op(0, ge=0, description="NPU device ais_bench runs the OM models on.")
 
 
 class RunConfig(Section):
