@@ -368,15 +368,30 @@ class ConvertOmSection(Section):
 
 
 class GateSection(Section):
+    """Quality limits of one variant against torch fp32 on the validation text."""
+
     max_ppl_increase: float | None = Res(None, ge=0, description="Largest relative perplexity increase over "
                                          "torch fp32 on the validation text (0.01 = 1%); null: no limit.")
     min_top1: float | None = Res(None, ge=0, le=1, description="Smallest top-1 agreement with torch fp32 on "
                                  "the validation text; null: no limit.")
 
 
-def _gate(ppl: float, top1: float) -> Any:
-    return Res(default_factory=lambda: GateSection(max_ppl_increase=ppl, min_top1=top1),
-               description=f"Quality limits (default: perplexity +{ppl:g}, top-1 >= {top1:g}).")
+def _gate(name: str, ppl: float, top1: float) -> Any:
+    """A GateSection subclass whose defaults are this variant's, so that setting one limit
+    (`--set benchmark.quality.int8.min_top1=0.9`) keeps the other's default."""
+    cls = type(f"{name.capitalize()}Gate", (GateSection,), {
+        "__annotations__": {"max_ppl_increase": "float | None", "min_top1": "float | None"},
+        "max_ppl_increase": Res(ppl, ge=0, description=f"Largest relative perplexity increase of {name} over "
+                                "torch fp32 on the validation text (0.01 = 1%); null: no limit."),
+        "min_top1": Res(top1, ge=0, le=1, description=f"Smallest top-1 agreement of {name} with torch fp32 on "
+                        "the validation text; null: no limit."),
+        "__module__": __name__,
+    })
+    return cls
+
+
+Fp32Gate, Fp16Gate, Int8Gate, OmGate = (_gate("fp32", 0.001, 0.995), _gate("fp16", 0.01, 0.98),
+                                        _gate("int8", 0.10, 0.85), _gate("om", 0.02, 0.95))
 
 
 class QualitySection(Section):
@@ -386,10 +401,10 @@ class QualitySection(Section):
     continuation_tokens: int = Res(32, ge=1, description="Greedy tokens per continuation.")
     enforce: bool = Res(True, description="A variant outside its limits fails the stage; false: marked "
                         "rejected in the results.")
-    fp32: GateSection = _gate(0.001, 0.995)
-    fp16: GateSection = _gate(0.01, 0.98)
-    int8: GateSection = _gate(0.10, 0.85)
-    om: GateSection = _gate(0.02, 0.95)
+    fp32: Fp32Gate = Res(default_factory=Fp32Gate, description="Limits for ORT fp32.")
+    fp16: Fp16Gate = Res(default_factory=Fp16Gate, description="Limits for ORT fp16.")
+    int8: Int8Gate = Res(default_factory=Int8Gate, description="Limits for ORT int8.")
+    om: OmGate = Res(default_factory=OmGate, description="Limits for the OM model (ais_bench).")
 
 
 class LlmBenchSection(Section):
