@@ -1,10 +1,20 @@
 """export_onnx stage: consolidated weights -> ONNX graphs, checked, with ORT parity numbers.
 
-model.onnx (prefill) maps `input_ids` int64 (batch, seq) to `logits` float32 (batch, seq, vocab)
-with dynamic batch and sequence axes. decoder_with_past.onnx (export.kv_cache) continues a
-sequence: `input_ids` (batch, seq) plus `past.{i}.key/value` (batch, kv_heads, past, head_dim) per
-layer -> `logits` and `present.{i}.key/value` (batch, kv_heads, past + seq, head_dim). Each graph
-has its own export function over the shared `_export_graph`.
+Three graphs, each with its own export function over the shared `_export_graph`:
+
+- model.onnx (prefill): `input_ids` int64 (batch, seq) -> `logits` float32 (batch, seq, vocab) and
+  the prompt's cache `present.{i}.key/value` (batch, kv_heads, seq, head_dim) per layer; batch and
+  seq dynamic.
+- decoder_with_past.onnx (export.kv_cache; for onnxruntime): `input_ids` (batch, seq) plus
+  `past.{i}.key/value` (batch, kv_heads, past, head_dim) -> `logits` and `present.{i}.key/value`
+  (batch, kv_heads, past + seq, head_dim); batch, seq and past dynamic.
+- decoder_static.onnx (export.static_decoder; for ATC and in-place decoding): a cache of fixed
+  length L = export.kv_cache_len. Inputs `input_ids` and `position_ids` int64 (batch, chunk),
+  `attention_mask` int64 (batch, L) (1: the slot holds an earlier token), `cache.{i}.key/value`
+  float32 (batch, kv_heads, L, head_dim); outputs `logits` (batch, chunk, vocab) and the chunk's
+  own `new.{i}.key/value` (batch, kv_heads, chunk, head_dim), which the caller writes into slots
+  `position_ids` of its cache. Only batch and chunk are dynamic (ATC pins them too). The graph only
+  reads the cache, so a decode loop never copies it.
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ log = logging.getLogger("llmpipe.export")
 
 MODEL_FILE = "model.onnx"
 DECODER_FILE = "decoder_with_past.onnx"
+STATIC_FILE = "decoder_static.onnx"
+DEFAULT_CACHE_LEN = 1024  # export.kv_cache_len null: min(model max_seq_len, this)
 PARITY_FILE = "parity.json"
 # Protobuf cannot serialize a message over 2 GiB; above this many bytes of weights the tensors go
 # to one external data file beside the graph (`<graph>.data`).
@@ -108,19 +120,37 @@ def _export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path,
     return files
 
 
+class _Prefill(nn.Module):
+    """The prompt pass: logits and the prompt's keys/values, flat, for the ONNX exporter."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor):
+        logits, present = self.model.forward_cached(input_ids)
+        return (logits, *[t for kv in present for t in kv])
+
+
 def export_prefill(model: Transformer, path: Path, opset: int,
                    external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
-    """Export the prefill graph: input_ids (batch, seq) int64 -> logits (batch, seq, vocab) float32,
-    batch and seq dynamic. External data when the weights exceed `external_data_bytes`."""
-    if any(p.dtype != torch.float32 for p in model.parameters()):
-        raise ValueError("export_prefill needs an fp32 model (load it with dtype=torch.float32)")
-    model.eval()
+    """Export the prefill graph: input_ids (batch, seq) int64 -> logits (batch, seq, vocab) float32 and
+    present.{i}.key/value (batch, kv_heads, seq, head_dim), batch and seq dynamic. External data when
+    the weights exceed `external_data_bytes`."""
+    _check_fp32(model, "export_prefill")
     batch, seq = TRACE_SHAPE[0], min(TRACE_SHAPE[1], model.args.max_seq_len)
     ids = torch.from_numpy(random_ids(batch, seq, model.args.vocab_size, seed=0))  # (B, T)
-    axes = {0: "batch", 1: "seq"}
-    return _export_graph(model, (ids,), Path(path), opset, ["input_ids"], ["logits"],
-                         {"input_ids": axes, "logits": axes},
-                         external=weight_bytes(model) > external_data_bytes)
+    present = decoder_names(model.args.n_layers, "present")
+    axes = {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"},
+            **{n: {0: "batch", 2: "seq"} for n in present}}
+    return _export_graph(_Prefill(model), (ids,), Path(path), opset, ["input_ids"], ["logits", *present],
+                         axes, external=weight_bytes(model) > external_data_bytes)
+
+
+def _check_fp32(model: Transformer, what: str) -> None:
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        raise ValueError(f"{what} needs an fp32 model (load it with dtype=torch.float32)")
+    model.eval()
 
 
 class _Decoder(nn.Module):
@@ -144,9 +174,7 @@ def decoder_names(n_layers: int, kind: str) -> list[str]:
 def export_decoder(model: Transformer, path: Path, opset: int,
                    external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
     """Export the KV-cache decoder graph (batch, new tokens and past length all dynamic)."""
-    if any(p.dtype != torch.float32 for p in model.parameters()):
-        raise ValueError("export_decoder needs an fp32 model (load it with dtype=torch.float32)")
-    model.eval()
+    _check_fp32(model, "export_decoder")
     a = model.args
     # NOTE: trace with past 5 and 3 new tokens (not 1) so no axis is baked in as a constant.
     ids = torch.from_numpy(random_ids(2, 3, a.vocab_size, seed=0))
@@ -159,6 +187,53 @@ def export_decoder(model: Transformer, path: Path, opset: int,
     flat = tuple(t for kv in past for t in kv)
     return _export_graph(_Decoder(model), (ids, *flat), Path(path), opset, ["input_ids", *past_names],
                          ["logits", *present_names], axes, external=weight_bytes(model) > external_data_bytes)
+
+
+class _StaticDecoder(nn.Module):
+    """Flat-argument wrapper of Transformer.forward_static for the ONNX exporter."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, position_ids, attention_mask, *cache_flat):
+        cache = [(cache_flat[2 * i], cache_flat[2 * i + 1]) for i in range(len(cache_flat) // 2)]
+        logits, new = self.model.forward_static(input_ids, position_ids, attention_mask, cache)
+        return (logits, *[t for kv in new for t in kv])
+
+
+def cache_len(requested: int | None, max_seq_len: int) -> int:
+    """The static decoder's cache length: export.kv_cache_len, else min(max_seq_len, 1024); it
+    cannot exceed the model's max_seq_len (RoPE tables end there)."""
+    if requested is None:
+        return min(max_seq_len, DEFAULT_CACHE_LEN)
+    if requested > max_seq_len:
+        raise StageError(f"export.kv_cache_len={requested} exceeds the model's max_seq_len {max_seq_len}")
+    return requested
+
+
+def static_inputs(n_layers: int) -> list[str]:
+    return ["input_ids", "position_ids", "attention_mask", *decoder_names(n_layers, "cache")]
+
+
+def export_static_decoder(model: Transformer, path: Path, opset: int, length: int,
+                          external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
+    """Export decoder_static.onnx with a cache of `length` slots (see the module docstring)."""
+    _check_fp32(model, "export_static_decoder")
+    a = model.args
+    batch, chunk = 2, 3  # NOTE: neither 1 nor equal, so both axes stay dynamic (see TRACE_SHAPE)
+    ids = torch.from_numpy(random_ids(batch, chunk, a.vocab_size, seed=0))
+    positions = torch.arange(5, 5 + chunk).expand(batch, chunk).contiguous()
+    mask = (torch.arange(length) < 5).long().expand(batch, length).contiguous()
+    cache = [torch.zeros(batch, a.n_kv_heads, length, a.head_dim) for _ in range(2 * a.n_layers)]
+    new = decoder_names(a.n_layers, "new")
+    axes = {"input_ids": {0: "batch", 1: "chunk"}, "position_ids": {0: "batch", 1: "chunk"},
+            "attention_mask": {0: "batch"}, "logits": {0: "batch", 1: "chunk"},
+            **{n: {0: "batch"} for n in decoder_names(a.n_layers, "cache")},
+            **{n: {0: "batch", 2: "chunk"} for n in new}}
+    return _export_graph(_StaticDecoder(model), (ids, positions, mask, *cache), Path(path), opset,
+                         static_inputs(a.n_layers), ["logits", *new], axes,
+                         external=weight_bytes(model) > external_data_bytes)
 
 
 def decoder_parity(model: Transformer, onnx_path: Path, shapes: Sequence[Sequence[int]], seed: int) -> dict:
@@ -180,6 +255,38 @@ def decoder_parity(model: Transformer, onnx_path: Path, shapes: Sequence[Sequenc
         per_shape.append({"batch": batch, "past": cut, "new": ids.shape[1] - cut, **logit_agreement(ref, out)})
     return {"shapes": per_shape, "max_abs_diff": max(s["max_abs_diff"] for s in per_shape),
             "top1_agreement": min(s["top1_agreement"] for s in per_shape)}
+
+
+def static_parity(model: Transformer, prefill_path: Path, static_path: Path, length: int, seed: int,
+                  new_tokens: int = 64, prompt_len: int = 16) -> dict:
+    """Greedy continuation of random prompts (batch 1 and 2) by onnxruntime's prefill graph plus
+    static decoder vs PyTorch's full-sequence pass (the whole sequence re-run every token): the
+    tokens must be identical, and each step's logits are compared."""
+    from llmpipe.bench.decode import StaticEngine, greedy_reference
+
+    cpu = device.ort_providers(["cpu"])[0].ort_name
+    engine = StaticEngine(ort.InferenceSession(str(prefill_path), providers=[cpu]),
+                          ort.InferenceSession(str(static_path), providers=[cpu]), model.args, length)
+    prompt_len = max(1, min(prompt_len, length // 2))
+    n = max(1, min(new_tokens, length - prompt_len))
+    per_batch = []
+    for batch in (1, 2):
+        prompt = random_ids(batch, prompt_len, model.args.vocab_size, seed + 200 + batch)
+        ref_tokens, ref_logits = greedy_reference(model, prompt, n)
+        logits = [engine.start(prompt)]
+        tokens = [logits[-1].argmax(-1)]
+        for _ in range(n - 1):
+            logits.append(engine.step(tokens[-1]))
+            tokens.append(logits[-1].argmax(-1))
+        tokens_arr = np.stack(tokens, axis=1)
+        per_batch.append({"batch": batch, "prompt": prompt_len, "new_tokens": n,
+                          "identical_tokens": bool((tokens_arr == ref_tokens).all()),
+                          "token_agreement": float((tokens_arr == ref_tokens).mean()),
+                          **logit_agreement(ref_logits, np.stack(logits, axis=1))})
+    return {"cache_len": length, "runs": per_batch,
+            "identical_tokens": all(r["identical_tokens"] for r in per_batch),
+            "max_abs_diff": max(r["max_abs_diff"] for r in per_batch),
+            "top1_agreement": min(r["top1_agreement"] for r in per_batch)}
 
 
 def _tensors(graph: onnx.GraphProto) -> Iterator[tuple[str, onnx.TensorProto]]:
@@ -298,8 +405,27 @@ def run(ctx: StageContext) -> StageResult:
         outputs["decoder"] = DECODER_FILE
         if len(dec_files) > 1:
             outputs["decoder_data"] = dec_files[1].name
-    report = {"atol": cfg.parity_atol, "passed": worst <= cfg.parity_atol, **report}
+    if cfg.static_decoder:
+        length = cache_len(cfg.kv_cache_len, model.args.max_seq_len)
+        static = ctx.work_dir / STATIC_FILE
+        static_files = export_static_decoder(model, static, cfg.opset, length)
+        check_external_data(static, ctx.work_dir)
+        check_model(static)
+        report["static_decoder"] = static_parity(model, path, static, length, ctx.cfg.run.seed)
+        worst = max(worst, report["static_decoder"]["max_abs_diff"])
+        outputs["decoder_static"] = STATIC_FILE
+        if len(static_files) > 1:
+            outputs["decoder_static_data"] = static_files[1].name
+        log.info("static decoder (cache %d): greedy %d tokens %s PyTorch's, max abs logit diff %.3g", length,
+                 report["static_decoder"]["runs"][0]["new_tokens"],
+                 "identical to" if report["static_decoder"]["identical_tokens"] else "DIFFERENT from",
+                 report["static_decoder"]["max_abs_diff"])
+    same_tokens = report.get("static_decoder", {}).get("identical_tokens", True)
+    report = {"atol": cfg.parity_atol, "passed": worst <= cfg.parity_atol and same_tokens, **report}
     write_json_atomic(ctx.work_dir / PARITY_FILE, report)
+    if not same_tokens:
+        raise StageError("export_onnx: greedy decoding with decoder_static.onnx chose other tokens than "
+                         f"PyTorch's full-sequence pass (details in {PARITY_FILE})")
     if not report["passed"]:
         raise StageError(f"export_onnx: ONNX Runtime logits differ from PyTorch by up to "
                          f"{worst:.3g}, above export.parity_atol={cfg.parity_atol:g} "
@@ -313,6 +439,10 @@ def run(ctx: StageContext) -> StageResult:
         "parity_mean_abs_diff": report["mean_abs_diff"],
         "parity_top1_agreement": report["top1_agreement"],
         "decoder_parity_max_abs_diff": report["decoder"]["max_abs_diff"] if cfg.kv_cache else None,
+        "static_decoder_cache_len": report["static_decoder"]["cache_len"] if cfg.static_decoder else None,
+        "static_decoder_max_abs_diff": report["static_decoder"]["max_abs_diff"] if cfg.static_decoder else None,
+        "static_decoder_identical_tokens": report["static_decoder"]["identical_tokens"] if cfg.static_decoder
+        else None,
         "export_seconds": round(export_s, 3),
     }
     return StageResult(outputs=outputs, metrics=metrics)

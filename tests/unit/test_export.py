@@ -61,7 +61,7 @@ def test_stage_exports_with_parity_on_dynamic_shapes(tmp_path):
     manifest, executed = stages.run_stage("export_onnx", cfg)
 
     assert executed and manifest.status == "completed"
-    assert set(manifest.outputs) == {"model", "parity", "decoder"}
+    assert set(manifest.outputs) == {"model", "parity", "decoder", "decoder_static"}
     folder = stages.stage_dir(cfg.run_dir(), "export_onnx")
     parity = json.loads((folder / "parity.json").read_text())
     assert [(s["batch"], s["seq"]) for s in parity["shapes"]] == [(1, 5), (3, 40)]
@@ -72,8 +72,13 @@ def test_stage_exports_with_parity_on_dynamic_shapes(tmp_path):
     graph = onnx.load(str(folder / "model.onnx"), load_external_data=False).graph
     dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
     assert [(i.name, dims(i)) for i in graph.input] == [("input_ids", ["batch", "seq"])]
-    assert [(o.name, dims(o)) for o in graph.output] == [("logits", ["batch", "seq", 8192])]
+    assert [(o.name, dims(o)[:3]) for o in graph.output][:2] == [("logits", ["batch", "seq", 8192]),
+                                                                 ("present.0.key", ["batch", 2, "seq"])]
     assert graph.output[0].type.tensor_type.elem_type == onnx.TensorProto.FLOAT
+    static = parity["static_decoder"]
+    assert static["identical_tokens"] and static["cache_len"] == 512  # debug flavor: max_seq_len 512
+    assert [r["new_tokens"] for r in static["runs"]] == [64, 64]
+    assert manifest.metrics["static_decoder_identical_tokens"] is True
 
 
 def test_opset_in_file_follows_config(tmp_path):
@@ -135,3 +140,57 @@ def test_kv_cache_decoder_continues_a_sequence_like_the_full_pass(tmp_path):
     names = {i.name: dims(i) for i in graph.input}
     assert names["past.0.key"] == ["batch", model.args.n_kv_heads, "past_seq", model.args.head_dim]
     assert {o.name for o in graph.output} >= {"logits", "present.1.value"}
+
+
+def test_static_decoder_greedy_64_tokens_match_pytorch_and_the_graph_is_static(tmp_path):
+    """decoder_static.onnx with a 96-slot cache: greedy decoding (onnxruntime, prefill graph + static
+    decoder, cache written in place) picks the same 64 tokens as PyTorch's full-sequence pass, logits
+    within 1e-4; the cache inputs have fixed shapes, only batch and chunk are symbolic; opset 17."""
+    model = _model_folder(tmp_path / "m")
+    export.export_prefill(model, tmp_path / "model.onnx", opset=17)
+    path = tmp_path / "decoder_static.onnx"
+    export.export_static_decoder(model, path, opset=17, length=96)
+    export.check_model(path)
+    report = export.static_parity(model, tmp_path / "model.onnx", path, 96, seed=3, new_tokens=64)
+    assert report["identical_tokens"] and report["max_abs_diff"] <= 1e-4
+    assert [(r["batch"], r["prompt"], r["new_tokens"]) for r in report["runs"]] == [(1, 16, 64), (2, 16, 64)]
+    graph = onnx.load(str(path), load_external_data=False).graph
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]
+    a = model.args
+    assert {i.name: dims(i) for i in graph.input} == {
+        "input_ids": ["batch", "chunk"], "position_ids": ["batch", "chunk"], "attention_mask": ["batch", 96],
+        **{f"cache.{i}.{p}": ["batch", a.n_kv_heads, 96, a.head_dim] for i in range(a.n_layers)
+           for p in ("key", "value")}}
+    assert dims(graph.output[1])[:3] == ["batch", a.n_kv_heads, "chunk"]  # (head_dim is left unnamed)
+    assert export.file_opset(path) == 17
+
+
+def test_static_decoder_chunks_match_the_full_pass(tmp_path):
+    """Chunks of several tokens (a chunked prefill) over a partly filled cache, with rows at the same
+    position: logits equal PyTorch's full-sequence logits for those positions."""
+    model = _model_folder(tmp_path / "m")
+    path = tmp_path / "decoder_static.onnx"
+    export.export_static_decoder(model, path, opset=17, length=32)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    a = model.args
+    ids = export.random_ids(2, 20, a.vocab_size, seed=5)
+    with torch.inference_mode():
+        ref = model(torch.from_numpy(ids)).numpy()  # (2, 20, vocab)
+    cache = {n: np.zeros((2, a.n_kv_heads, 32, a.head_dim), np.float32) for n in export.static_inputs(a.n_layers)[3:]}
+    mask = np.zeros((2, 32), np.int64)
+    pos = 0
+    for chunk in (7, 1, 5, 7):
+        feeds = {"input_ids": ids[:, pos:pos + chunk], "attention_mask": mask, **cache,
+                 "position_ids": np.tile(np.arange(pos, pos + chunk), (2, 1))}
+        logits, *new = session.run(None, feeds)
+        np.testing.assert_allclose(logits, ref[:, pos:pos + chunk], atol=1e-4, rtol=0)
+        for name, kv in zip(cache, new):
+            cache[name][:, :, pos:pos + chunk] = kv
+        mask[:, pos:pos + chunk] = 1
+        pos += chunk
+
+
+def test_kv_cache_len_beyond_the_model_is_refused():
+    with pytest.raises(StageError, match=r"export.kv_cache_len=600 exceeds the model's max_seq_len 512"):
+        export.cache_len(600, 512)
+    assert export.cache_len(None, 4096) == 1024 and export.cache_len(None, 512) == 512

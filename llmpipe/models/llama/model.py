@@ -151,6 +151,35 @@ class Attention(nn.Module):
         return self._attend(q, k, v, mask), (k, v)
 
 
+    def forward_static(self, x, cos, sin, cache_mask: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor]):
+        """Attention of a chunk over a fixed-size cache plus the chunk itself, without copying the
+        cache: scores against the cache and against the chunk are computed apart and joined.
+
+        x (B, C, d); cos/sin (B, 1, C, hd) at each token's position; cache_mask (B, 1, 1, L) bool,
+        true where a cache slot holds an earlier token; cache keys/values (B, Hkv, L, hd).
+        Returns (out (B, C, d), (k, v) of the chunk, each (B, Hkv, C, hd)).
+        """
+        q, k, v = self._qkv(x, cos, sin)  # (B, H, C, hd), (B, Hkv, C, hd) x2
+        B, H, C, hd = q.shape
+        Hkv = k.shape[1]
+        # NOTE: query heads are grouped per kv head ((B, Hkv, rep * C, hd), head h = kv * rep + r, as
+        # repeat_interleave orders them) so GQA needs no repeated copy of the cache.
+        qg = q.reshape(B, Hkv, (H // Hkv) * C, hd) * hd ** -0.5
+        old = qg @ cache[0].transpose(-1, -2)  # (B, Hkv, rep * C, L)
+        new = qg @ k.transpose(-1, -2)  # (B, Hkv, rep * C, C)
+        causal = torch.ones(C, C, dtype=torch.bool, device=x.device).tril().repeat(H // Hkv, 1)  # (rep * C, C)
+        # NOTE: fp16's lowest value (not -inf): the same graph converted to fp16 must not overflow,
+        # and no row is ever fully masked (a token always sees itself).
+        low = torch.finfo(torch.float16).min
+        scores = torch.cat([old.masked_fill(~cache_mask.reshape(B, 1, 1, -1), low),
+                            new.masked_fill(~causal, low)], dim=-1)
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        L = cache[0].shape[2]
+        out = p[..., :L] @ cache[1] + p[..., L:] @ v  # (B, Hkv, rep * C, hd)
+        out = out.reshape(B, H, C, hd).transpose(1, 2).reshape(B, C, -1)
+        return self.wo(out), (k, v)
+
+
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -240,6 +269,26 @@ class Transformer(nn.Module):
             h, kv = layer.forward_cached(h, cos, sin, mask, past[i] if past else None)
             presents.append(kv)
         return self.output(self.norm(h)), presents
+
+
+    def forward_static(self, tokens: torch.Tensor, positions: torch.Tensor, cache_mask: torch.Tensor,
+                       cache: list[tuple[torch.Tensor, torch.Tensor]]):
+        """Decoding over a cache of fixed length L (what a static-shape compiler such as ATC needs):
+        tokens and positions (B, C) int64, cache_mask (B, L) (non-zero: the slot holds an earlier
+        token of the sequence), cache per layer (keys, values) each (B, Hkv, L, hd). The cache is only
+        read; returns logits (B, C, vocab) and the chunk's keys/values per layer, (B, Hkv, C, hd) each,
+        which the caller writes into the slots of `positions`."""
+        h = self.tok_embeddings(tokens)
+        cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)  # (B, 1, C, hd)
+        sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
+        valid = cache_mask != 0  # (B, L)
+        new = []
+        for i, layer in enumerate(self.layers.values()):
+            a, kv = layer.attention.forward_static(layer.attention_norm(h), cos, sin, valid, cache[i])
+            h = h + a
+            h = h + layer.feed_forward(layer.ffn_norm(h))
+            new.append(kv)
+        return self.output(self.norm(h)), new
 
 
 _WRAPPED = "_checkpoint_wrapped_module."  # the prefix activation checkpointing's wrapper adds

@@ -1,0 +1,266 @@
+"""Token-by-token decoding with a KV cache: PyTorch eager, onnxruntime, and OM models (ais_bench).
+
+An engine holds one batch's cache. `start(ids)` runs the prompt (batch, T) and returns the last
+position's logits (batch, vocab); `step(tokens)` feeds one new token per row and returns the next
+logits. `generate` drives an engine and times it:
+
+    time to first token (TTFT)   from the call to the first new token picked: the prompt pass
+                                 plus picking one token
+    time per output token (TPOT) the mean time of each later token: (end - first token) / (n - 1)
+    decode tokens/s              batch * (n - 1) / (end - first token): the first token excluded
+    end-to-end tokens/s          batch * n / (end - start)
+
+Engines:
+- TorchEngine: Transformer.forward_cached, the cache grows by torch.cat (the eager baseline).
+- StaticEngine: export_onnx's prefill graph (model.onnx, which also returns the prompt's cache) and
+  decoder_static.onnx (a fixed-size cache it only reads). The cache is a set of numpy arrays the
+  engine owns; each step writes one token's keys/values into its slot. With onnxruntime on the CPU
+  the arrays are bound once through I/O binding (the OrtValues share their memory), so no step
+  copies the cache. On other providers, and for OM models, each call passes the cache (a host to
+  device copy per call; a device-resident cache is future work).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+from llmpipe import device
+from llmpipe.export.onnx import decoder_names, static_inputs
+from llmpipe.models.llama.model import ModelArgs, Transformer
+
+
+class CapacityError(ValueError):
+    """The prompt plus the tokens asked for do not fit the engine's cache or the model's context."""
+
+
+class TorchEngine:
+    """PyTorch eager with its KV cache (Transformer.forward_cached): the baseline."""
+
+    def __init__(self, model: Transformer, dev: torch.device | str = "cpu"):
+        self.model, self.dev = model.eval(), torch.device(dev)
+        self.capacity = model.args.max_seq_len
+        self.past = None
+
+    def _logits(self, ids: np.ndarray) -> np.ndarray:
+        with torch.inference_mode():
+            logits, self.past = self.model.forward_cached(torch.from_numpy(ids).to(self.dev), self.past)
+            out = logits[:, -1].float().cpu().numpy()  # (B, vocab)
+        device.synchronize(self.dev)
+        return out
+
+    def start(self, ids: np.ndarray) -> np.ndarray:
+        self.past = None
+        return self._logits(ids)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        return self._logits(tokens.reshape(-1, 1))
+
+
+@dataclass
+class _Cache:
+    """One batch's fixed-size cache: per layer keys and values (B, Hkv, L, hd), and the slot mask."""
+
+    arrays: list[np.ndarray]  # cache.0.key, cache.0.value, cache.1.key, ...
+    mask: np.ndarray  # (B, L) int64, 1 where a slot holds a token
+    binding: ort.IOBinding | None = None
+    pos: int = 0  # slots in use (the same for every row)
+
+
+class StaticEngine:
+    """Prefill graph + static-cache decoder; `prefill` and `decoder` are onnxruntime sessions or
+    objects with the same `run(output_names, feeds)` (llmpipe.bench.ais.OmSession).
+
+    `prefill_lens`: the sequence lengths the prefill model accepts (an OM compiled with gears);
+    a prompt is padded on the right to the smallest that fits (padding is causal-invisible to the
+    prompt, and its cache slots stay masked). `batch`: the only batch size the models take, if fixed.
+    """
+
+    def __init__(self, prefill, decoder, args: ModelArgs, cache_len: int,
+                 prefill_lens: Sequence[int] | None = None, batch: int | None = None):
+        self.prefill, self.decoder, self.args = prefill, decoder, args
+        self.capacity, self.prefill_lens, self.batch = cache_len, sorted(prefill_lens or []), batch
+        self.cache: _Cache | None = None
+        self._names = static_inputs(args.n_layers)[3:]
+        self._new = decoder_names(args.n_layers, "new")
+        self._present = decoder_names(args.n_layers, "present")
+        self._bind = isinstance(decoder, ort.InferenceSession) and \
+            decoder.get_providers()[0] == device.ort_providers(["cpu"])[0].ort_name
+
+    def _allocate(self, batch: int) -> _Cache:
+        a, L = self.args, self.capacity
+        if self.cache is not None and self.cache.mask.shape[0] == batch:
+            self.cache.mask[:] = 0
+            self.cache.pos = 0
+            return self.cache  # NOTE: stale slots are masked out, never read
+        arrays = [np.zeros((batch, a.n_kv_heads, L, a.head_dim), np.float32) for _ in self._names]
+        cache = _Cache(arrays, np.zeros((batch, L), np.int64))
+        if self._bind:
+            cache.binding = self.decoder.io_binding()
+            # NOTE: OrtValues over numpy memory (CPU): writing a slot in the array is seen by the
+            # next run; nothing is copied per step.
+            for name, arr in zip(["attention_mask", *self._names], [cache.mask, *arrays]):
+                cache.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
+            for name in ["logits", *self._new]:
+                cache.binding.bind_output(name)
+        self.cache = cache
+        return cache
+
+    def _padded(self, ids: np.ndarray) -> np.ndarray:
+        if not self.prefill_lens:
+            return ids
+        T = ids.shape[1]
+        fits = [n for n in self.prefill_lens if n >= T]
+        if not fits:
+            raise CapacityError(f"prompt of {T} tokens is longer than the prefill model's largest shape "
+                                f"{self.prefill_lens[-1]}")
+        return np.pad(ids, ((0, 0), (0, fits[0] - T)))
+
+    def start(self, ids: np.ndarray) -> np.ndarray:
+        B, T = ids.shape
+        if self.batch is not None and B != self.batch:
+            raise CapacityError(f"the models were compiled for batch {self.batch}, not {B}")
+        if T >= self.capacity:
+            raise CapacityError(f"prompt of {T} tokens does not fit the decoder's cache of {self.capacity}")
+        cache = self._allocate(B)
+        out = self.prefill.run(["logits", *self._present], {"input_ids": self._padded(ids)})
+        for arr, present in zip(cache.arrays, out[1:]):
+            arr[:, :, :T] = present[:, :, :T]  # (B, Hkv, T, hd)
+        cache.mask[:, :T] = 1
+        cache.pos = T
+        return np.ascontiguousarray(out[0][:, T - 1])  # (B, vocab)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        cache = self.cache
+        if cache is None:
+            raise RuntimeError("step() before start()")
+        if cache.pos >= self.capacity:
+            raise CapacityError(f"the decoder's cache of {self.capacity} slots is full")
+        B = cache.mask.shape[0]
+        ids = tokens.reshape(B, 1).astype(np.int64)
+        positions = np.full((B, 1), cache.pos, np.int64)
+        if cache.binding is not None:
+            cache.binding.bind_cpu_input("input_ids", ids)
+            cache.binding.bind_cpu_input("position_ids", positions)
+            self.decoder.run_with_iobinding(cache.binding)
+            logits, *new = [v.numpy() for v in cache.binding.get_outputs()]
+        else:
+            feeds = {"input_ids": ids, "position_ids": positions, "attention_mask": cache.mask,
+                     **dict(zip(self._names, cache.arrays))}
+            logits, *new = self.decoder.run(["logits", *self._new], feeds)
+        for arr, kv in zip(cache.arrays, new):
+            arr[:, :, cache.pos] = kv[:, :, 0]  # (B, Hkv, hd): one slot
+        cache.mask[:, cache.pos] = 1
+        cache.pos += 1
+        # NOTE: a copy: with I/O binding the output buffer may be reused by the next run.
+        return np.array(logits[:, -1])  # (B, vocab)
+
+
+# --------------------------------------------------------------------------- picking tokens
+
+
+def pick_tokens(logits: np.ndarray, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, rng: np.random.Generator | None = None) -> np.ndarray:
+    """Next token per row from logits (B, vocab): greedy (argmax) at temperature 0, else a draw
+    from softmax(logits / temperature) restricted to the top_k tokens and to the smallest set whose
+    probability reaches top_p (nucleus)."""
+    if temperature <= 0:
+        return logits.argmax(axis=-1).astype(np.int64)
+    rng = rng or np.random.default_rng()
+    z = logits.astype(np.float64) / temperature
+    if top_k is not None and 0 < top_k < z.shape[-1]:
+        kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
+        z = np.where(z < kth, -np.inf, z)
+    p = np.exp(z - z.max(axis=-1, keepdims=True))
+    p /= p.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1.0:
+        order = np.argsort(-p, axis=-1)
+        sorted_p = np.take_along_axis(p, order, axis=-1)
+        # keep a token while the mass before it is below top_p (the first token always stays)
+        keep_sorted = np.cumsum(sorted_p, axis=-1) - sorted_p < top_p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        p = np.where(keep, p, 0.0)
+        p /= p.sum(axis=-1, keepdims=True)
+    return np.array([rng.choice(p.shape[-1], p=row) for row in p], dtype=np.int64)
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+@dataclass
+class Generation:
+    """New tokens (B, n) and the times of one `generate` call (seconds, perf_counter)."""
+
+    tokens: np.ndarray
+    prompt_tokens: int
+    prefill_s: float
+    ttft_s: float
+    total_s: float
+    step_s: list[float] = field(default_factory=list)  # each token after the first
+
+    @property
+    def batch(self) -> int:
+        return self.tokens.shape[0]
+
+    def tpot_s(self) -> float | None:
+        """Mean time per output token after the first (None for a single token)."""
+        n = self.tokens.shape[1]
+        return (self.total_s - self.ttft_s) / (n - 1) if n > 1 else None
+
+    def decode_tokens_per_s(self) -> float | None:
+        n = self.tokens.shape[1]
+        spent = self.total_s - self.ttft_s
+        return self.batch * (n - 1) / spent if n > 1 and spent > 0 else None
+
+    def e2e_tokens_per_s(self) -> float:
+        return self.batch * self.tokens.shape[1] / self.total_s
+
+
+def generate(engine, ids: np.ndarray, max_new_tokens: int,
+             pick: Callable[[np.ndarray], np.ndarray] = pick_tokens,
+             on_tokens: Callable[[np.ndarray], None] | None = None, stop_id: int | None = None) -> Generation:
+    """Continue the prompt `ids` (B, T) by up to `max_new_tokens` tokens per row. `on_tokens` sees
+    each step's tokens (B,) as they are picked (streaming). With `stop_id`, a batch of one stops
+    after that token."""
+    B, T = ids.shape
+    if T + max_new_tokens > engine.capacity + 1:  # the last token is picked, never fed back
+        raise CapacityError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds the context of "
+                            f"{engine.capacity} tokens")
+    out = []
+    t0 = time.perf_counter()
+    logits = engine.start(ids)
+    prefill_s = time.perf_counter() - t0
+    token = pick(logits)
+    ttft = time.perf_counter() - t0
+    steps, last = [], t0 + ttft
+    while True:
+        out.append(token)
+        if on_tokens is not None:
+            on_tokens(token)
+        if len(out) == max_new_tokens or (stop_id is not None and B == 1 and token[0] == stop_id):
+            break
+        token = pick(engine.step(token))
+        now = time.perf_counter()
+        steps.append(now - last)
+        last = now
+    total = time.perf_counter() - t0
+    return Generation(np.stack(out, axis=1), T, prefill_s, ttft, total, steps)
+
+
+def greedy_reference(model: Transformer, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Greedy continuation by PyTorch's full-sequence pass (no cache: the whole sequence every
+    token): tokens (B, n) and each step's logits (B, n, vocab)."""
+    seq = torch.from_numpy(ids)
+    logits = []
+    with torch.inference_mode():
+        for _ in range(n):
+            last = model(seq)[:, -1].float()  # (B, vocab)
+            logits.append(last.numpy())
+            seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
+    return seq[:, ids.shape[1]:].numpy(), np.stack(logits, axis=1)
