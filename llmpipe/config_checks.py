@@ -4,7 +4,7 @@
 in a second instead of after prepare_data has read the whole corpus:
 
 - `check_artifacts_dir`: run.artifacts_dir is a folder or can become one;
-- `check_atc`: convert_om.input_shape well formed, dynamic_dims consistent with it;
+- `check_atc`: convert_om.input_shape well formed, its -1 dims given gears by dynamic_dims;
 - `check_model`: the flavor exists and its overridden dimensions fit together, data.seq_len fits the
   model's max_seq_len, and the parallel layout fits the model (tp divides heads, kv heads, ffn and
   dim; pp against the layers, split points and schedule; pipeline micro-batches) at the layout's own
@@ -53,13 +53,12 @@ def check_atc(cfg: RunConfig) -> None:
             if not name or not all(_ATC_DIM_RE.match(d.strip()) for d in dims.split(",")):
                 raise ConfigError(f"convert_om.input_shape: {spec!r} in {om.input_shape!r} is not "
                                   "'name:d1,d2,...' with sizes, -1 or lo~hi ranges")
-    if om.dynamic_dims:
-        from llmpipe.export.atc import _check_dynamic_dims
+    from llmpipe.export.atc import check_dynamic_dims
 
-        try:
-            _check_dynamic_dims(om.input_shape, om.dynamic_dims)
-        except ValueError as err:
-            raise ConfigError(str(err)) from None
+    try:
+        check_dynamic_dims(om.input_shape, om.dynamic_dims)  # -1 dims need gears, one value per -1 dim
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _model_args(cfg: RunConfig):

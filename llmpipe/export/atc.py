@@ -1,9 +1,18 @@
 """The convert_om stage: ONNX -> Ascend OM through CANN's ATC compiler.
 
-Three pieces, each testable alone:
+Two graphs, each compiled on its own (argv, log, .om):
+
+- model.onnx (prefill, `input_ids` (batch, seq)) -> model.om, shaped by convert_om.input_shape and,
+  for -1 dims, dynamic_dims gears;
+- decoder_static.onnx (KV-cache decoder over a fixed cache) -> decoder.om, static: its --input_shape
+  comes from the graph's own inputs, "batch" -> decode_batch, "chunk" -> decode_chunk.
+
+The pieces, each testable alone:
 
 - `build_argv(section, atc, onnx, prefix)`: ATC's command line as a list, a pure function;
-- `run_atc(argv, log_path, timeout_s)`: runs it (no shell) in its own process group, output to atc.log;
+- `graph_inputs`, `check_prefill`, `decoder_input_shape`: the shapes against the ONNX graph (read
+  without its weights), so a combination ATC cannot compile is refused before ATC runs;
+- `run_atc(argv, log_path, timeout_s)`: runs it (no shell) in its own process group, output to a log;
 - `parse_errors(text)`: ATC's "E10001: ..." blocks -> `AtcError`s, so a failure reads as one line.
 
 `run(ctx)` ties them together. Without ATC the stage records "skipped" with the reason, or fails
@@ -30,9 +39,9 @@ from llmpipe.stages import StageContext, StageError, StageResult
 
 log = logging.getLogger("llmpipe.atc")
 
-OM_PREFIX = "model"  # ATC appends ".om" to --output
-LOG_NAME = "atc.log"
-ARGV_NAME = "argv.json"
+# Graph names: each prefixes its files (<name>.om: ATC appends ".om" to --output) and keys its metrics.
+PREFILL, DECODER = "model", "decoder"
+DECODER_INPUT = "decoder_static"  # export_onnx's output name for decoder_static.onnx
 SUCCESS_LINE = "ATC run success"
 FRAMEWORK_ONNX = 5  # ATC's --framework: 0 Caffe, 1 MindSpore, 3 TensorFlow, 5 ONNX
 MIN_GEARS, MAX_GEARS = 2, 100  # ATC's bounds on the number of --dynamic_dims gears
@@ -54,8 +63,13 @@ def _dynamic_dim_count(input_shape: str) -> int:
     return count
 
 
-def _check_dynamic_dims(input_shape: str | None, dynamic_dims: str) -> None:
-    """ATC's rule: every gear gives one value per -1 dim of --input_shape; 2 to 100 gears."""
+def check_dynamic_dims(input_shape: str | None, dynamic_dims: str | None) -> None:
+    """ATC's rule: -1 dims need gears, and every gear gives one value per -1 dim; 2 to 100 gears."""
+    if not dynamic_dims:
+        if input_shape and _dynamic_dim_count(input_shape):
+            raise ValueError(f"convert_om.input_shape {input_shape!r} has -1 dims but convert_om.dynamic_dims "
+                             "is null: ATC needs gears (e.g. dynamic_dims '16;32;64') or fixed dims")
+        return
     if not input_shape:
         raise ValueError(f"convert_om.dynamic_dims ({dynamic_dims!r}) needs convert_om.input_shape "
                          "with -1 dims")
@@ -84,8 +98,7 @@ def build_argv(section: ConvertOmSection, atc: str, onnx_path: str | os.PathLike
     # and ATC's own complaint about both flags is far less clear.
     if section.precision_mode and section.precision_mode_v2:
         raise ValueError("convert_om: set precision_mode or precision_mode_v2, not both (ATC rejects both)")
-    if section.dynamic_dims:
-        _check_dynamic_dims(section.input_shape, section.dynamic_dims)
+    check_dynamic_dims(section.input_shape, section.dynamic_dims)
     argv = [
         str(atc),
         f"--framework={FRAMEWORK_ONNX}",
@@ -274,6 +287,117 @@ def convert(argv: list[str], prefix: Path, log_path: Path, timeout_s: float) -> 
     return target
 
 
+# --------------------------------------------------------------------------- the graphs
+
+
+def graph_inputs(onnx_path: str | os.PathLike) -> dict[str, list[int | str]]:
+    """The graph's declared inputs (initializers excluded): name -> dims, a fixed dim as its int, a
+    symbolic one as its dim_param ("?" when it has neither). Reads the graph only, never the weights."""
+    import onnx  # NOTE: here, not at the top: this module must stay cheap to import
+
+    try:
+        model = onnx.load(str(onnx_path), load_external_data=False)
+    except Exception as err:  # protobuf's DecodeError, a truncated file: the file's fault, not a bug
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise ValueError(f"export_onnx's {Path(onnx_path).name} is not a readable ONNX model ({first})") from None
+    weights = {t.name for t in model.graph.initializer}
+    return {v.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
+                     for d in v.type.tensor_type.shape.dim]
+            for v in model.graph.input if v.name not in weights}
+
+
+def _shape_specs(input_shape: str) -> dict[str, list[str]]:
+    """ATC's --input_shape "name:1,-1;name2:1,8" -> {"name": ["1", "-1"], "name2": ["1", "8"]}."""
+    specs = {}
+    for spec in filter(None, (s.strip() for s in input_shape.split(";"))):
+        name, _, dims = spec.rpartition(":")  # input names may themselves contain ':'
+        specs[name] = [d.strip() for d in dims.split(",")]
+    return specs
+
+
+def _dims(dims: list[int | str]) -> str:
+    return ",".join(map(str, dims))
+
+
+def check_prefill(section: ConvertOmSection, inputs: dict[str, list[int | str]], onnx_name: str) -> None:
+    """convert_om.input_shape against the prefill graph's inputs: names it has, their ranks, and every
+    symbolic dim given a size, -1 (gears) or a range. Raises ValueError, one line."""
+    given = _shape_specs(section.input_shape) if section.input_shape else {}
+    for name, dims in given.items():
+        spec = f"{name}:{','.join(dims)}"
+        if name not in inputs:
+            raise ValueError(f"convert_om.input_shape: {spec!r} names input {name!r}, which {onnx_name} does "
+                             f"not have (its inputs: {', '.join(inputs)})")
+        if len(dims) != len(inputs[name]):
+            raise ValueError(f"convert_om.input_shape: {spec!r} gives {len(dims)} dims, but {onnx_name}'s "
+                             f"{name} has {len(inputs[name])} ({_dims(inputs[name])})")
+    open_dims = [f"{n}: {_dims(d)}" for n, d in inputs.items()
+                 if n not in given and any(isinstance(x, str) for x in d)]
+    if open_dims:
+        what = (f"is null, but {onnx_name} has" if not given
+                else f"{section.input_shape!r} leaves out {onnx_name}'s inputs with")
+        raise ValueError(f"convert_om.input_shape {what} symbolic dims ({'; '.join(open_dims)}): set "
+                         "input_shape with fixed dims, or -1 dims plus dynamic_dims gears")
+
+
+def decoder_input_shape(section: ConvertOmSection, inputs: dict[str, list[int | str]], onnx_name: str) -> str:
+    """The static decoder's --input_shape: its declared inputs with "batch" -> decode_batch and "chunk"
+    -> decode_chunk; fixed dims (cache length, heads, head_dim) as the graph has them."""
+    sizes = {"batch": section.decode_batch, "chunk": section.decode_chunk}
+    specs = []
+    for name, dims in inputs.items():
+        for d in dims:
+            if isinstance(d, str) and d not in sizes:
+                raise ValueError(f"convert_om.decoder=true: {onnx_name}'s input {name} ({_dims(dims)}) has "
+                                 f"symbolic dim {d!r}; only 'batch' (convert_om.decode_batch="
+                                 f"{section.decode_batch}) and 'chunk' (convert_om.decode_chunk="
+                                 f"{section.decode_chunk}) are fixed at compile time")
+        specs.append(f"{name}:{_dims([sizes.get(d, d) for d in dims])}")
+    return ";".join(specs)
+
+
+@dataclass(frozen=True)
+class Graph:
+    """One ATC compile: `name` prefixes its files (<name>.om, .atc.log, .argv.json) and keys its
+    metrics; `section` carries the --input_shape/--dynamic_dims that apply to it."""
+
+    name: str
+    onnx: Path
+    section: ConvertOmSection
+
+    @property
+    def log_name(self) -> str:
+        return f"{self.name}.atc.log"
+
+    @property
+    def argv_name(self) -> str:
+        return f"{self.name}.argv.json"
+
+    def outputs(self) -> dict[str, str]:
+        """Manifest output -> file: om/log/argv for the prefill, decoder_om/... for the decoder."""
+        key = "" if self.name == PREFILL else f"{self.name}_"
+        return {f"{key}om": f"{self.name}.om", f"{key}log": self.log_name, f"{key}argv": self.argv_name}
+
+
+def plan(ctx: StageContext) -> tuple[list[Graph], str | None]:
+    """The graphs to compile, each checked against its ONNX file; and why the decoder is not among them
+    (None when it is or was not asked for). Raises ValueError on a combination ATC cannot compile."""
+    section = ctx.cfg.convert_om
+    model = ctx.input_path("export_onnx", "model").resolve()
+    check_prefill(section, graph_inputs(model), model.name)
+    graphs = [Graph(PREFILL, model, section)]
+    if not section.decoder:
+        return graphs, None
+    if DECODER_INPUT not in ctx.inputs["export_onnx"][1].outputs:
+        return graphs, (f"export_onnx published no {DECODER_INPUT} (export.static_decoder false, or an "
+                        "older export), so decoder.om was not built; set convert_om.decoder: false to silence this")
+    decoder = ctx.input_path("export_onnx", DECODER_INPUT).resolve()
+    shape = decoder_input_shape(section, graph_inputs(decoder), decoder.name)
+    # Static shapes: the gears of the prefill do not apply.
+    graphs.append(Graph(DECODER, decoder, section.model_copy(update={"input_shape": shape, "dynamic_dims": None})))
+    return graphs, None
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -282,31 +406,49 @@ def _not_found(section: ConvertOmSection) -> StageResult:
     if section.required:
         raise StageError(f"convert_om.required is true but ATC was not found (PATH, CANN toolkit in "
                          f"{where}); install CANN and source set_env.sh, or set convert_om.atc_path")
-    reason = (f"ATC (CANN toolkit) not found on PATH or in {where}; "
+    names = [PREFILL, DECODER] if section.decoder else [PREFILL]
+    built = "model.om and decoder.om were" if section.decoder else "model.om was"
+    reason = (f"ATC (CANN toolkit) not found on PATH or in {where}: {built} not built; "
               "set convert_om.required: true to make this an error")
     log.warning("convert_om skipped: %s", reason)
-    return StageResult(status="skipped", reason=reason, outputs={})
+    # NOTE: a skipped manifest may list no outputs, but it may carry metrics.
+    return StageResult(status="skipped", reason=reason, outputs={},
+                       metrics={"graphs": {n: "skipped" for n in names}})
+
+
+def _compile(graph: Graph, argv: list[str], work: Path, timeout_s: float) -> dict:
+    """Run ATC for one graph: its argv json, log and .om in `work`; returns its metrics."""
+    (work / graph.argv_name).write_text(json.dumps(argv, indent=2) + "\n", encoding="utf-8")
+    log.info("running ATC for %s: %s", graph.onnx.name, shlex.join(argv))  # quoting for display only
+    t0 = time.monotonic()
+    om = convert(argv, work / graph.name, work / graph.log_name, timeout_s)
+    seconds = round(time.monotonic() - t0, 3)
+    log.info("ATC wrote %s (%d bytes) in %.1fs", om.name, om.stat().st_size, seconds)
+    return {"seconds": seconds, "om_bytes": om.stat().st_size, "argv": argv}
 
 
 def run(ctx: StageContext) -> StageResult:
-    """Compile the export_onnx model to `model.om` with ATC, or record why not."""
+    """Compile export_onnx's graphs with ATC (model.onnx -> model.om; decoder_static.onnx ->
+    decoder.om), or record why not. Every graph is checked before ATC runs for any."""
     section = ctx.cfg.convert_om
     atc = find_atc(section)
     if atc is None:
         return _not_found(section)
-    onnx_path = ctx.input_path("export_onnx", "model").resolve()
-    prefix = Path(ctx.work_dir).resolve() / OM_PREFIX
+    work = Path(ctx.work_dir).resolve()
     try:
-        argv = build_argv(section, atc, onnx_path, prefix)
+        graphs, no_decoder = plan(ctx)
+        argvs = [build_argv(g.section, atc, g.onnx, work / g.name) for g in graphs]
     except ValueError as err:
         raise StageError(str(err)) from None
-    (prefix.parent / ARGV_NAME).write_text(json.dumps(argv, indent=2) + "\n", encoding="utf-8")
-    log.info("running ATC: %s", shlex.join(argv))  # shell quoting for display only; argv runs as a list
-    t0 = time.monotonic()
-    om = convert(argv, prefix, prefix.parent / LOG_NAME, section.timeout_s)
-    seconds = round(time.monotonic() - t0, 3)
-    log.info("ATC wrote %s (%d bytes) in %.1fs", om.name, om.stat().st_size, seconds)
-    return StageResult(
-        outputs={"om": om.name, "log": LOG_NAME, "argv": ARGV_NAME},
-        metrics={"atc": atc, "seconds": seconds, "om_bytes": om.stat().st_size, "argv": argv},
-    )
+    if no_decoder:
+        log.warning("convert_om: %s", no_decoder)
+    outputs: dict[str, str] = {}
+    metrics: dict = {"atc": atc, "graphs": {}}
+    for graph, argv in zip(graphs, argvs):
+        metrics["graphs"][graph.name] = _compile(graph, argv, work, section.timeout_s)
+        outputs.update(graph.outputs())
+    if no_decoder:
+        metrics["graphs"][DECODER] = "skipped"
+        metrics["skipped"] = {DECODER: no_decoder}
+    metrics["seconds"] = round(sum(m["seconds"] for m in metrics["graphs"].values() if m != "skipped"), 3)
+    return StageResult(outputs=outputs, metrics=metrics)

@@ -9,7 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import onnx
 import pytest
+from onnx import TensorProto, helper, numpy_helper
 
 from llmpipe import config, stages
 from llmpipe.config import ConvertOmSection
@@ -19,6 +22,10 @@ from llmpipe.stages import StageContext, StageError
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 FAKE_ATC = FAKES / "atc"
+LAYERS, KV_HEADS, HEAD_DIM, CACHE, VOCAB = 2, 1, 4, 8, 16  # the tiny graphs below
+GEARS = {"input_shape": "input_ids:1,-1", "dynamic_dims": "16;32"}  # a prefill config that compiles
+DECODER_SHAPE = ("input_ids:1,1;position_ids:1,1;attention_mask:1,8;cache.0.key:1,1,8,4;"
+                 "cache.0.value:1,1,8,4;cache.1.key:1,1,8,4;cache.1.value:1,1,8,4")
 
 E10001_LOG = """\
 ATC start working now, please wait for a moment.
@@ -71,17 +78,74 @@ def make_cfg(tmp_path: Path, **convert_om) -> config.RunConfig:
                              "data": {"inputs": ["x"]}, "convert_om": convert_om})
 
 
-def make_ctx(tmp_path: Path, **convert_om) -> StageContext:
-    """A StageContext whose export_onnx input is a dummy model.onnx."""
+def _tensor(name: str, dtype: int, dims: list) -> onnx.ValueInfoProto:
+    return helper.make_tensor_value_info(name, dtype, dims)
+
+
+def _graph(path: Path, inputs: list, outputs: list) -> Path:
+    """A valid ONNX model with these declared inputs and outputs; every output is input 0 cast to
+    float (the values do not matter: ATC is faked)."""
+    nodes = [helper.make_node("Cast", [inputs[0].name], ["x"], to=TensorProto.FLOAT)]
+    nodes += [helper.make_node("Identity", ["x"], [o.name]) for o in outputs]
+    model = helper.make_model(helper.make_graph(nodes, path.stem, inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model)
+    onnx.save(model, str(path))
+    return path
+
+
+def prefill_onnx(path: Path, ids_dims: tuple = ("batch", "seq")) -> Path:
+    """export_onnx's model.onnx: input_ids (batch, seq) -> logits, present.{i}.key/value."""
+    kv = ["batch", KV_HEADS, "seq", HEAD_DIM]
+    present = [_tensor(f"present.{i}.{t}", TensorProto.FLOAT, kv) for i in range(LAYERS) for t in ("key", "value")]
+    return _graph(path, [_tensor("input_ids", TensorProto.INT64, list(ids_dims))],
+                  [_tensor("logits", TensorProto.FLOAT, ["batch", "seq", VOCAB]), *present])
+
+
+def decoder_onnx(path: Path, cache_dim: int | str = CACHE) -> Path:
+    """export_onnx's decoder_static.onnx: ids, positions, mask and a fixed cache -> logits, new k/v."""
+    cache = ["batch", KV_HEADS, cache_dim, HEAD_DIM]
+    inputs = [_tensor("input_ids", TensorProto.INT64, ["batch", "chunk"]),
+              _tensor("position_ids", TensorProto.INT64, ["batch", "chunk"]),
+              _tensor("attention_mask", TensorProto.INT64, ["batch", cache_dim])]
+    inputs += [_tensor(f"cache.{i}.{t}", TensorProto.FLOAT, cache) for i in range(LAYERS) for t in ("key", "value")]
+    outputs = [_tensor("logits", TensorProto.FLOAT, ["batch", "chunk", VOCAB])]
+    outputs += [_tensor(f"new.{i}.{t}", TensorProto.FLOAT, ["batch", KV_HEADS, "chunk", HEAD_DIM])
+                for i in range(LAYERS) for t in ("key", "value")]
+    return _graph(path, inputs, outputs)
+
+
+def export_folder(folder: Path, decoder: bool = True, **graph) -> dict:
+    """model.onnx (and decoder_static.onnx) in `folder`; their manifest outputs."""
+    folder.mkdir(parents=True)
+    outputs = {"model": file_entry(folder, prefill_onnx(folder / "model.onnx", **graph).name)}
+    if decoder:
+        outputs["decoder_static"] = file_entry(folder, decoder_onnx(folder / "decoder_static.onnx").name)
+    return outputs
+
+
+def make_ctx(tmp_path: Path, decoder_graph: bool = True, **convert_om) -> StageContext:
+    """A StageContext whose export_onnx input holds tiny model.onnx and (unless `decoder_graph` is
+    false) decoder_static.onnx graphs with export's input names and dims."""
     cfg = make_cfg(tmp_path, **convert_om)
     folder = tmp_path / "04_export_onnx"
-    folder.mkdir()
-    (folder / "model.onnx").write_bytes(b"not really onnx")
     manifest = Manifest(stage="export_onnx", status="completed", fingerprint="x",
-                        outputs={"model": file_entry(folder, "model.onnx")})
+                        outputs=export_folder(folder, decoder_graph))
     work = tmp_path / ".05_convert_om.partial"
     work.mkdir()
     return StageContext(cfg, "convert_om", tmp_path, work, {"export_onnx": (folder, manifest)}, "fp")
+
+
+def recorded(path: Path) -> list[list[str]]:
+    """The fake ATC's FAKE_ATC_RECORD: one argv per run."""
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def fake_om(path: Path) -> dict:
+    """The fake ATC's .om: a magic line, then one JSON line."""
+    magic, spec, *rest = path.read_text().split("\n")
+    assert magic == "LLMPIPE-FAKE-OM v1" and rest == [""]
+    return json.loads(spec)
 
 
 # --------------------------------------------------------------------------- build_argv
@@ -221,15 +285,58 @@ def test_fake_atc_rejects_like_atc(tmp_path, python_on_path, extra, reason):
     assert reason in atc.failure_summary(text)
 
 
+# --------------------------------------------------------------------------- the graphs' shapes
+
+
+def test_graph_inputs_reads_the_declared_inputs_without_the_weights(tmp_path):
+    model = onnx.load(str(prefill_onnx(tmp_path / "src.onnx")))
+    model.graph.initializer.append(numpy_helper.from_array(np.full((64, 64), 0.5, np.float32), "w"))
+    model.graph.input.append(_tensor("w", TensorProto.FLOAT, [64, 64]))  # old-style: weights listed as inputs
+    onnx.save(model, str(tmp_path / "model.onnx"), save_as_external_data=True, location="model.onnx.data",
+              size_threshold=0)
+    (tmp_path / "model.onnx.data").unlink()  # the weights are never read
+    assert atc.graph_inputs(tmp_path / "model.onnx") == {"input_ids": ["batch", "seq"]}
+
+
+def test_decoder_input_shape_fixes_batch_and_chunk_and_keeps_the_fixed_dims(tmp_path):
+    inputs = atc.graph_inputs(decoder_onnx(tmp_path / "decoder_static.onnx"))
+    assert atc.decoder_input_shape(ConvertOmSection(), inputs, "d.onnx") == DECODER_SHAPE
+    shape = atc.decoder_input_shape(ConvertOmSection(decode_batch=4, decode_chunk=2), inputs, "d.onnx")
+    assert shape.startswith("input_ids:4,2;position_ids:4,2;attention_mask:4,8;cache.0.key:4,1,8,4;")
+
+
+def test_an_input_shape_that_leaves_a_symbolic_input_open_is_refused():
+    inputs = {"input_ids": ["batch", "seq"], "attention_mask": ["batch", "seq"]}
+    with pytest.raises(ValueError) as err:
+        atc.check_prefill(ConvertOmSection(input_shape="input_ids:1,16"), inputs, "model.onnx")
+    assert str(err.value) == ("convert_om.input_shape 'input_ids:1,16' leaves out model.onnx's inputs with "
+                              "symbolic dims (attention_mask: batch,seq): set input_shape with fixed dims, "
+                              "or -1 dims plus dynamic_dims gears")
+
+
+def test_a_minus_one_dim_without_gears_is_refused_when_the_config_loads(tmp_path):
+    with pytest.raises(config.ConfigError, match=r"^config: convert_om.input_shape 'input_ids:1,-1' has -1 dims but "
+                       r"convert_om.dynamic_dims is null: ATC needs gears"):
+        make_cfg(tmp_path, input_shape="input_ids:1,-1")
+
+
 # --------------------------------------------------------------------------- run(ctx)
 
 
-def test_run_skipped_when_atc_absent(tmp_path, no_path_atc):
+def test_without_atc_the_stage_is_skipped_saying_neither_graph_was_converted(tmp_path, no_path_atc):
     result = atc.run(make_ctx(tmp_path))
     assert result.status == "skipped" and result.outputs == {}
     assert "ATC (CANN toolkit) not found on PATH or in" in result.reason
+    assert "model.om and decoder.om were not built;" in result.reason
     assert str(tmp_path / "cann" / "latest") in result.reason
     assert "convert_om.required: true" in result.reason
+    assert result.metrics == {"graphs": {"model": "skipped", "decoder": "skipped"}}
+
+
+def test_without_atc_and_without_the_decoder_only_model_om_is_named(tmp_path, no_path_atc):
+    result = atc.run(make_ctx(tmp_path, decoder=False))
+    assert "model.om was not built;" in result.reason and "decoder" not in result.reason
+    assert result.metrics == {"graphs": {"model": "skipped"}}
 
 
 def test_run_required_but_absent_fails(tmp_path, no_path_atc):
@@ -237,25 +344,131 @@ def test_run_required_but_absent_fails(tmp_path, no_path_atc):
         atc.run(make_ctx(tmp_path, required=True))
 
 
-def test_run_success_with_fake_atc(tmp_path, monkeypatch, python_on_path):
-    record = tmp_path / "record.json"
+def test_both_graphs_are_compiled_each_with_its_own_argv_log_and_om(tmp_path, monkeypatch, python_on_path):
+    record = tmp_path / "record.jsonl"
     monkeypatch.setenv("FAKE_ATC_RECORD", str(record))
-    monkeypatch.setenv("FAKE_ATC_MODE", "success")
-    ctx = make_ctx(tmp_path, atc_path=str(FAKE_ATC), input_shape="input_ids:1,-1", dynamic_dims="64;128")
+    ctx = make_ctx(tmp_path, atc_path=str(FAKE_ATC), **GEARS)
     result = atc.run(ctx)
 
     assert result.status == "completed"
-    assert result.outputs == {"om": "model.om", "log": "atc.log", "argv": "argv.json"}
-    assert (ctx.work_dir / "model.om").stat().st_size > 0
-    expected = atc.build_argv(ctx.cfg.convert_om, str(FAKE_ATC),
-                              (tmp_path / "04_export_onnx" / "model.onnx").resolve(),
-                              ctx.work_dir.resolve() / "model")
-    argv = json.loads((ctx.work_dir / "argv.json").read_text())
-    assert argv == expected == json.loads(record.read_text())
-    assert "ATC run success" in (ctx.work_dir / "atc.log").read_text()
-    assert result.metrics["atc"] == str(FAKE_ATC)
-    assert result.metrics["om_bytes"] == (ctx.work_dir / "model.om").stat().st_size
-    assert result.metrics["argv"] == expected
+    assert result.outputs == {"om": "model.om", "log": "model.atc.log", "argv": "model.argv.json",
+                              "decoder_om": "decoder.om", "decoder_log": "decoder.atc.log",
+                              "decoder_argv": "decoder.argv.json"}
+    export, work = (tmp_path / "04_export_onnx").resolve(), ctx.work_dir.resolve()
+    prefill = atc.build_argv(ctx.cfg.convert_om, str(FAKE_ATC), export / "model.onnx", work / "model")
+    decoder = atc.build_argv(ctx.cfg.convert_om.model_copy(update={"input_shape": DECODER_SHAPE, "dynamic_dims": None}),
+                             str(FAKE_ATC), export / "decoder_static.onnx", work / "decoder")
+    assert json.loads((work / "model.argv.json").read_text()) == prefill
+    assert json.loads((work / "decoder.argv.json").read_text()) == decoder
+    assert recorded(record) == [prefill, decoder]  # one ATC run per graph, prefill first
+    assert f"--input_shape={DECODER_SHAPE}" in decoder and not any(a.startswith("--dynamic_dims") for a in decoder)
+    for name in ("model", "decoder"):
+        assert "ATC run success" in (work / f"{name}.atc.log").read_text()
+        graph = result.metrics["graphs"][name]
+        assert graph["om_bytes"] == (work / f"{name}.om").stat().st_size
+        assert graph["argv"] == {"model": prefill, "decoder": decoder}[name] and graph["seconds"] >= 0
+    assert result.metrics["atc"] == str(FAKE_ATC) and "skipped" not in result.metrics
+
+
+def test_the_fake_om_names_the_onnx_file_and_the_shapes_it_was_compiled_for(tmp_path, python_on_path):
+    ctx = make_ctx(tmp_path, atc_path=str(FAKE_ATC), soc_version="Ascend310P3", **GEARS)
+    atc.run(ctx)
+    export = (tmp_path / "04_export_onnx").resolve()
+    assert fake_om(ctx.work_dir / "model.om") == {"onnx": str(export / "model.onnx"), "input_shape": "input_ids:1,-1",
+                                                  "dynamic_dims": "16;32", "soc_version": "Ascend310P3"}
+    assert fake_om(ctx.work_dir / "decoder.om") == {"onnx": str(export / "decoder_static.onnx"),
+                                                    "input_shape": DECODER_SHAPE, "dynamic_dims": None,
+                                                    "soc_version": "Ascend310P3"}
+
+
+def test_decode_batch_and_chunk_shape_the_decoder(tmp_path, python_on_path):
+    ctx = make_ctx(tmp_path, atc_path=str(FAKE_ATC), decode_batch=4, decode_chunk=3, **GEARS)
+    atc.run(ctx)
+    shape = fake_om(ctx.work_dir / "decoder.om")["input_shape"]
+    assert shape == ("input_ids:4,3;position_ids:4,3;attention_mask:4,8;cache.0.key:4,1,8,4;"
+                     "cache.0.value:4,1,8,4;cache.1.key:4,1,8,4;cache.1.value:4,1,8,4")
+    assert fake_om(ctx.work_dir / "model.om")["input_shape"] == "input_ids:1,-1"  # the prefill keeps its own
+
+
+def test_a_prefill_with_fixed_dims_needs_no_input_shape(tmp_path, python_on_path):
+    cfg = make_cfg(tmp_path, atc_path=str(FAKE_ATC), decoder=False)
+    folder = tmp_path / "04_export_onnx"
+    manifest = Manifest(stage="export_onnx", status="completed", fingerprint="x",
+                        outputs=export_folder(folder, decoder=False, ids_dims=(1, 128)))
+    (tmp_path / "work").mkdir()
+    ctx = StageContext(cfg, "convert_om", tmp_path, tmp_path / "work", {"export_onnx": (folder, manifest)}, "fp")
+    result = atc.run(ctx)
+    assert set(result.outputs) == {"om", "log", "argv"} and list(result.metrics["graphs"]) == ["model"]
+    assert fake_om(ctx.work_dir / "model.om")["input_shape"] is None
+
+
+def test_a_decoder_missing_from_the_export_converts_the_prefill_and_says_why(tmp_path, python_on_path, caplog):
+    ctx = make_ctx(tmp_path, decoder_graph=False, atc_path=str(FAKE_ATC), **GEARS)
+    with caplog.at_level("WARNING", logger="llmpipe.atc"):
+        result = atc.run(ctx)
+    assert result.status == "completed" and set(result.outputs) == {"om", "log", "argv"}
+    why = ("export_onnx published no decoder_static (export.static_decoder false, or an older export), so "
+           "decoder.om was not built; set convert_om.decoder: false to silence this")
+    assert result.metrics["graphs"]["decoder"] == "skipped" and result.metrics["skipped"] == {"decoder": why}
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [f"convert_om: {why}"]
+    assert not (ctx.work_dir / "decoder.om").exists()
+
+
+def test_decoder_false_compiles_the_prefill_only_without_a_warning(tmp_path, python_on_path, caplog):
+    with caplog.at_level("WARNING", logger="llmpipe.atc"):
+        result = atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), decoder=False, **GEARS))
+    assert set(result.outputs) == {"om", "log", "argv"} and list(result.metrics["graphs"]) == ["model"]
+    assert "skipped" not in result.metrics and not caplog.records
+
+
+@pytest.mark.parametrize("convert_om, message", [
+    ({"input_shape": "ids:1,16"},
+     "convert_om.input_shape: 'ids:1,16' names input 'ids', which model.onnx does not have (its inputs: input_ids)"),
+    ({"input_shape": "input_ids:16"},
+     "convert_om.input_shape: 'input_ids:16' gives 1 dims, but model.onnx's input_ids has 2 (batch,seq)"),
+    ({"input_shape": "input_ids:1,2,-1", "dynamic_dims": "16;32"},
+     "convert_om.input_shape: 'input_ids:1,2,-1' gives 3 dims, but model.onnx's input_ids has 2 (batch,seq)"),
+    ({}, "convert_om.input_shape is null, but model.onnx has symbolic dims (input_ids: batch,seq): set input_shape "
+         "with fixed dims, or -1 dims plus dynamic_dims gears"),
+])
+def test_a_shape_the_prefill_graph_cannot_take_is_refused_before_atc_runs(tmp_path, monkeypatch, python_on_path,
+                                                                          convert_om, message):
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("FAKE_ATC_RECORD", str(record))
+    with pytest.raises(StageError) as err:
+        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), **convert_om))
+    assert str(err.value) == message
+    assert not record.exists()
+
+
+def test_a_minus_one_dim_without_gears_is_refused_by_the_stage_too(tmp_path, monkeypatch, python_on_path):
+    monkeypatch.setattr("llmpipe.config_checks.check_atc", lambda cfg: None)  # as a fields-only config
+    with pytest.raises(StageError) as err:
+        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), input_shape="input_ids:1,-1"))
+    assert str(err.value) == ("convert_om.input_shape 'input_ids:1,-1' has -1 dims but convert_om.dynamic_dims is "
+                              "null: ATC needs gears (e.g. dynamic_dims '16;32;64') or fixed dims")
+
+
+def test_a_decoder_with_another_symbolic_dim_is_refused_before_atc_runs(tmp_path, monkeypatch, python_on_path):
+    record = tmp_path / "record.jsonl"
+    monkeypatch.setenv("FAKE_ATC_RECORD", str(record))
+    ctx = make_ctx(tmp_path, atc_path=str(FAKE_ATC), **GEARS)
+    decoder_onnx(tmp_path / "04_export_onnx" / "decoder_static.onnx", cache_dim="cache_len")
+    with pytest.raises(StageError) as err:
+        atc.run(ctx)
+    assert str(err.value) == ("convert_om.decoder=true: decoder_static.onnx's input attention_mask "
+                              "(batch,cache_len) has symbolic dim 'cache_len'; only 'batch' "
+                              "(convert_om.decode_batch=1) and 'chunk' (convert_om.decode_chunk=1) are fixed "
+                              "at compile time")
+    assert not record.exists()  # not even the prefill was compiled
+
+
+def test_a_file_that_is_not_onnx_is_one_line(tmp_path, python_on_path):
+    ctx = make_ctx(tmp_path, atc_path=str(FAKE_ATC), **GEARS)
+    (tmp_path / "04_export_onnx" / "model.onnx").write_bytes(b"not really onnx")
+    with pytest.raises(StageError, match=r"^export_onnx's model.onnx is not a readable ONNX model \(") as err:
+        atc.run(ctx)
+    assert "\n" not in str(err.value)
 
 
 @pytest.mark.parametrize("mode, words", [
@@ -265,22 +478,23 @@ def test_run_success_with_fake_atc(tmp_path, monkeypatch, python_on_path):
 def test_run_atc_error_becomes_stage_error(tmp_path, monkeypatch, python_on_path, mode, words):
     monkeypatch.setenv("FAKE_ATC_MODE", mode)
     with pytest.raises(StageError) as err:
-        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC)))
+        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), **GEARS))
     message = str(err.value)
     assert message.startswith(f"ATC failed (exit 1): {words}")
+    assert message.endswith("model.atc.log)")
     assert "Solution:" in message and "TraceBack" not in message and "\n" not in message
 
 
 def test_run_no_om_is_an_error(tmp_path, monkeypatch, python_on_path):
     monkeypatch.setenv("FAKE_ATC_MODE", "no-om")
     with pytest.raises(StageError, match="ATC reported success but wrote no model.om"):
-        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC)))
+        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), **GEARS))
 
 
 def test_run_timeout_kills_atc(tmp_path, monkeypatch, python_on_path):
     monkeypatch.setenv("FAKE_ATC_MODE", "hang")
     with pytest.raises(StageError, match=r"convert_om.timeout_s=1 exceeded: ATC was killed"):
-        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), timeout_s=1))
+        atc.run(make_ctx(tmp_path, atc_path=str(FAKE_ATC), timeout_s=1, **GEARS))
 
 
 def test_run_bad_dynamic_dims_is_a_stage_error(tmp_path, python_on_path, monkeypatch):
@@ -302,29 +516,29 @@ def test_suffixed_om_is_renamed(tmp_path):
 
 
 def _publish_export_onnx(cfg: config.RunConfig) -> None:
-    """A finished export_onnx stage folder whose fingerprint matches `cfg`."""
+    """A finished export_onnx stage folder, with both graphs, whose fingerprint matches `cfg`."""
     folder = stages.stage_dir(cfg.run_dir(), "export_onnx")
-    folder.mkdir(parents=True)
-    (folder / "model.onnx").write_bytes(b"not really onnx")
+    outputs = export_folder(folder)
     (folder / "parity.json").write_text("{}")
     Manifest(stage="export_onnx", status="completed", fingerprint=stages.fingerprints(cfg)["export_onnx"],
-             outputs={"model": file_entry(folder, "model.onnx"), "parity": file_entry(folder, "parity.json")},
-             ).write(folder)
+             outputs={**outputs, "parity": file_entry(folder, "parity.json")}).write(folder)
 
 
 def test_run_stage_records_skip_then_reruns_when_atc_appears(tmp_path, monkeypatch, no_path_atc):
-    cfg = make_cfg(tmp_path)
+    cfg = make_cfg(tmp_path, **GEARS)
     _publish_export_onnx(cfg)
     manifest, executed = stages.run_stage("convert_om", cfg)
     assert executed and manifest.status == "skipped" and "not found" in manifest.reason
+    assert manifest.metrics == {"graphs": {"model": "skipped", "decoder": "skipped"}}
     assert stages.run_stage("convert_om", cfg)[1] is False  # same machine: up to date
 
     monkeypatch.setenv("PATH", os.pathsep.join([str(FAKES), str(Path(sys.executable).parent)]))
     manifest, executed = stages.run_stage("convert_om", cfg)  # ATC appeared: fingerprint changed
     assert executed and manifest.status == "completed"
-    assert set(manifest.outputs) == {"om", "log", "argv"}
+    assert set(manifest.outputs) == {"om", "log", "argv", "decoder_om", "decoder_log", "decoder_argv"}
     folder = stages.stage_dir(cfg.run_dir(), "convert_om")
-    assert manifest.verify(folder) is None and (folder / "model.om").is_file()
+    assert manifest.verify(folder) is None
+    assert (folder / "model.om").is_file() and (folder / "decoder.om").is_file()
 
 
 def test_fake_atc_is_executable():
