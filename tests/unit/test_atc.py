@@ -124,10 +124,11 @@ def export_folder(folder: Path, decoder: bool = True, **graph) -> dict:
     return outputs
 
 
-def make_ctx(tmp_path: Path, decoder_graph: bool = True, **convert_om) -> StageContext:
+def make_ctx(tmp_path: Path, decoder_graph: bool = True, cfg: config.RunConfig | None = None,
+             **convert_om) -> StageContext:
     """A StageContext whose export_onnx input holds tiny model.onnx and (unless `decoder_graph` is
     false) decoder_static.onnx graphs with export's input names and dims."""
-    cfg = make_cfg(tmp_path, **convert_om)
+    cfg = cfg or make_cfg(tmp_path, **convert_om)
     folder = tmp_path / "04_export_onnx"
     manifest = Manifest(stage="export_onnx", status="completed", fingerprint="x",
                         outputs=export_folder(folder, decoder_graph))
@@ -388,6 +389,15 @@ def test_decode_batch_and_chunk_shape_the_decoder(tmp_path, python_on_path):
     assert shape == ("input_ids:4,3;position_ids:4,3;attention_mask:4,8;cache.0.key:4,1,8,4;"
                      "cache.0.value:4,1,8,4;cache.1.key:4,1,8,4;cache.1.value:4,1,8,4")
     assert fake_om(ctx.work_dir / "model.om")["input_shape"] == "input_ids:1,-1"  # the prefill keeps its own
+
+
+def test_the_tiny_config_compiles_the_prefill_with_gears_and_the_decoder(tmp_path, monkeypatch, python_on_path):
+    tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+    cfg = config.load(tiny, [f"run.artifacts_dir={tmp_path}", f"convert_om.atc_path={FAKE_ATC}"])
+    ctx = make_ctx(tmp_path, cfg=cfg)
+    assert atc.run(ctx).status == "completed"
+    assert fake_om(ctx.work_dir / "model.om")["dynamic_dims"] == "16;32;64;128"
+    assert fake_om(ctx.work_dir / "decoder.om")["input_shape"] == DECODER_SHAPE
 
 
 def test_a_prefill_with_fixed_dims_needs_no_input_shape(tmp_path, python_on_path):
