@@ -7,6 +7,7 @@
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
+    llmpipe plan CONFIG --deploy [--soc S] [--memory-bandwidth-gbs B] [--memory-gib M]     (inference sizing)
 
 User errors print one line, `error: ...`, and exit with status 2 (config) or 1 (a stage failed).
 """
@@ -66,12 +67,18 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--peak-tflops", type=float, help="dense peak per device; default: train.peak_tflops, "
                       "else the planning device's (llmpipe.device.PLAN_DEVICE)")
     plan.add_argument("--mfu", type=float, default=0.4, help="model FLOPs utilisation assumed (default 0.4)")
-    plan.add_argument("--bandwidth-gbps", type=float, default=100.0, help="per-device network bandwidth for the "
-                      "gradient sync, gigabits/s (default 100)")
+    plan.add_argument("--bandwidth-gbps", type=float, help="per-device network bandwidth for the gradient sync, "
+                      "gigabits/s (default 100; not with --deploy, whose bandwidth is --memory-bandwidth-gbs)")
     plan.add_argument("--tokens", type=float, help="training tokens; default 20 per parameter (Chinchilla)")
     plan.add_argument("--memory-gib", type=float, help="memory per device for the recommendation (default: "
                       "the planning device's, llmpipe.device.PLAN_MEMORY_GIB)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
+    plan.add_argument("--deploy", action="store_true", help="size inference instead: weight and KV-cache bytes, "
+                      "a memory-bandwidth lower bound on decode time per token, the benchmark's measured one")
+    plan.add_argument("--soc", help="with --deploy: the target device, e.g. Ascend910B, Ascend310P3, H100-SXM "
+                      "(default: convert_om.soc_version)")
+    plan.add_argument("--memory-bandwidth-gbs", type=float, help="with --deploy: the target's memory bandwidth, "
+                      "GB/s, overriding the table (needed for a device it lacks, e.g. --soc cpu)")
 
     clean = sub.add_parser("clean", help="remove the folders of earlier attempts kept under <run>/superseded/ "
                            "(their checkpoints): the only command that deletes them")
@@ -226,12 +233,30 @@ def _plan(args: argparse.Namespace) -> int:
     from llmpipe.parallel.mesh import LayoutError
 
     cfg = config_mod.load(args.config, list(args.overrides))
+    if args.deploy:
+        return _plan_deploy(args, cfg)
+    if args.soc or args.memory_bandwidth_gbs is not None:
+        raise ConfigError("--soc and --memory-bandwidth-gbs size a deployment: add --deploy")
     try:
         p = plan.plan(cfg, args.world_size, peak_tflops=args.peak_tflops, mfu=args.mfu,
-                      bandwidth_gbps=args.bandwidth_gbps, tokens=args.tokens, memory_gib=args.memory_gib)
+                      bandwidth_gbps=100.0 if args.bandwidth_gbps is None else args.bandwidth_gbps,
+                      tokens=args.tokens, memory_gib=args.memory_gib)
     except LayoutError as err:
         raise ConfigError(f"{args.config}: train.parallel: {err}") from None
     print(json.dumps(p.to_dict(), indent=2) if args.json else plan.format_table(p))
+    return 0
+
+
+def _plan_deploy(args: argparse.Namespace, cfg: config_mod.RunConfig) -> int:
+    import json
+
+    from llmpipe import plan_deploy
+
+    if args.bandwidth_gbps is not None:  # NOTE: the training plan's network bandwidth, in gigabits/s
+        raise ConfigError("--bandwidth-gbps is the gradient sync's network bandwidth; with --deploy give the "
+                          "device's memory bandwidth as --memory-bandwidth-gbs (GB/s)")
+    d = plan_deploy.deploy(cfg, args.soc, bandwidth_gbs=args.memory_bandwidth_gbs, memory_gib=args.memory_gib)
+    print(json.dumps(d.to_dict(), indent=2) if args.json else plan_deploy.format_deploy(d))
     return 0
 
 
