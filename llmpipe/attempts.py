@@ -28,7 +28,7 @@ SUPERSEDED, FAILED = "superseded", "failed"
 FAILED_KEEP = 5  # failed attempts' evidence kept per stage
 EVIDENCE_MAX_BYTES = 16 << 20  # larger files (weights, ONNX graphs) are not evidence
 # Logs and error files: what a failed attempt's evidence is (results and weights are not).
-_EVIDENCE_GLOBS = ("*.log", "*.out", "*.err", "*.jsonl", "error*.json", "argv.json", "config.yaml")
+_EVIDENCE_GLOBS = ("*.log", "*.out", "*.err", "*.jsonl", "error*.json", "*argv.json", "config.yaml")
 _EVIDENCE_FOLDERS = {"torchrun-logs"}  # every file below: per-rank output and error files
 ERROR_FILE = "error.txt"
 _NAME_RE = re.compile(r"^(\d\d_[a-z_]+)-(?:([0-9a-f]{12})-)?(\d{8}T\d{6}\d*Z)$")

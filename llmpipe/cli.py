@@ -4,6 +4,8 @@
     llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
+    llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|om] [--temperature T]
+                     [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
@@ -85,6 +87,20 @@ def _parser() -> argparse.ArgumentParser:
     clean.add_argument("run", help="run name (folder under the artifacts dir)")
     clean.add_argument("--keep", type=int, default=0, help="keep the newest N per stage (default 0)")
     clean.add_argument("--artifacts-dir", default="artifacts")
+
+    gen = sub.add_parser("generate", help="continue a prompt with a finished run's model, streaming the text")
+    gen.add_argument("run", help="run name (folder under the artifacts dir) or the path of a run folder")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
+                     help="torch: PyTorch eager; fp32/fp16/int8: onnxruntime with the static KV-cache decoder "
+                     "(fp16/int8 come from the benchmark stage); om: ais_bench (CANN). Default fp32")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0)")
+    gen.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    gen.add_argument("--artifacts-dir", default="artifacts")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -280,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
             return _plan(args)
         if args.command == "clean":
             return _clean(args)
+        if args.command == "generate":
+            return _generate(args)
         from llmpipe import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")
@@ -298,6 +316,18 @@ def main(argv: list[str] | None = None) -> int:
         where = err.filename or _written_under(args)
         print(f"error: {where + ': ' if where else ''}{cause[:1].lower() + cause[1:]}", file=sys.stderr)
         return 1
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from llmpipe.generate import run_generate
+
+    run_dir = Path(args.run)
+    if not run_dir.is_dir() or not (args.run.startswith((".", "/")) or os.sep in args.run):
+        _recorded_config(args.run, args.artifacts_dir)  # a run name: checks the name and that it ran
+        run_dir = Path(args.artifacts_dir) / args.run
+    run_generate(run_dir, args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
+                 args.top_p, args.seed, args.threads)
+    return 0
 
 
 def _written_under(args: argparse.Namespace) -> str | None:

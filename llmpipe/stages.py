@@ -83,7 +83,7 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               outputs=("model", "parity")),
     StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run",
               extra="llmpipe.export.atc:fingerprint_extra", outputs=("om", "log", "argv"), may_skip=True),
-    StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate"),
+    StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate", "prepare_data", "train"),
               "llmpipe.bench.run:run", outputs=("results", "table")),
 )}
 assert tuple(SPECS) == STAGES

@@ -83,8 +83,8 @@ def quantize_int8(src: Path, dst: Path) -> list[Path]:
     return model_files(dst)
 
 
-def make_variants(fp32_path: Path, names: list[str], out_dir: Path) -> dict[str, Variant]:
-    """The FP32 graph plus each requested variant under out_dir/<name>/model.onnx. FP32 is always
+def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: str = MODEL_FILE) -> dict[str, Variant]:
+    """The FP32 graph plus each requested variant under out_dir/<name>/<filename>. FP32 is always
     included (it is the accuracy reference). A failed conversion is recorded, not raised."""
     makers = {"fp16": convert_fp16, "int8": quantize_int8}
     variants = {"fp32": Variant("fp32", Path(fp32_path))}
@@ -93,7 +93,7 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path) -> dict[str,
             continue
         if name not in makers:
             raise ValueError(f"unknown variant {name!r} (known: {', '.join(VARIANTS)})")
-        dst = Path(out_dir) / name / MODEL_FILE
+        dst = Path(out_dir) / name / filename
         dst.parent.mkdir(parents=True, exist_ok=True)
         try:
             makers[name](Path(fp32_path), dst)

@@ -51,3 +51,45 @@ def latency_plot(results: dict, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(str(path), format="png")
     return Path(path)
+
+
+def _lines(rows: list[dict], x: str, y: str, path: Path, xlabel: str, ylabel: str, title: str) -> Path:
+    """One line per provider/variant of y against x (measured rows only)."""
+    fig = Figure(figsize=(6.4, 4.0), dpi=110)
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    series: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in rows:
+        if not r.get("error") and r.get(y) is not None:
+            series.setdefault((r["provider"], r["variant"]), []).append((r[x], r[y]))
+    one_provider = len({p for p, _ in series}) <= 1
+    for (provider, variant), points in series.items():
+        points.sort()
+        name = "torch eager" if variant == "torch" else variant if variant == "om" else f"ORT {variant}"
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o",
+                label=name if one_provider else f"{provider} {name}")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if series:
+        ax.legend(fontsize=8)
+        xs = sorted({p[0] for pts in series.values() for p in pts})
+        ax.set_xticks(xs)
+    else:
+        ax.text(0.5, 0.5, "no successful measurements", ha="center", va="center", transform=ax.transAxes)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    return Path(path)
+
+
+def ttft_plot(llm: dict, path: Path) -> Path:
+    """Time to first token (ms) against prompt length, batch 1."""
+    return _lines(llm["prefill"], "prompt_len", "ttft_ms", path, "prompt tokens", "time to first token (ms)",
+                  "Time to first token, batch 1 (lower is better)")
+
+
+def tpot_plot(llm: dict, path: Path) -> Path:
+    """Time per output token (ms) against batch size."""
+    return _lines(llm["decode"], "batch", "tpot_ms", path, "batch", "time per output token (ms)",
+                  "Time per output token, first token excluded (lower is better)")

@@ -1,8 +1,15 @@
-"""benchmark stage: ORT FP32 / FP16 / INT8 vs PyTorch eager, per shape and provider.
+"""benchmark stage: ORT FP32 / FP16 / INT8 (and OM) vs PyTorch eager, per shape and provider.
 
-For every provider, the FP32 ONNX graph runs first (it is the accuracy reference), then each
-variant, then PyTorch eager on the provider's device type; all on the same fixed random input ids.
-Results go to results.json (everything), results.md (the table and notes) and latency.png.
+Three parts, all in results.json and results.md:
+
+- prefill throughput: for every provider, the FP32 ONNX graph first (the accuracy reference), then
+  each variant, then PyTorch eager, on the same fixed random input ids per (batch, seq) shape
+  (latency.png);
+- generation (llmpipe.bench.llm): TTFT by prompt length, TPOT and decode tokens/s by batch, per
+  engine (ttft.png, tpot.png), and a generated sample per engine;
+- quality on validation text (llmpipe.bench.quality): perplexity, KL and top-1 of every variant
+  against torch fp32, greedy-continuation agreement, the parity chain from the training checkpoint
+  to the OM model, and the gates of benchmark.quality.
 """
 
 from __future__ import annotations
@@ -11,7 +18,6 @@ import contextlib
 import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,6 +29,7 @@ import numpy as np
 import torch
 
 from llmpipe import device
+from llmpipe.bench import llm
 from llmpipe.bench.ort import ProviderUnavailable, Variant, create_session, make_variants, run_logits
 from llmpipe.bench.plot import latency_plot
 from llmpipe.bench.stats import latency_stats, logit_agreement, speedup, throughput
@@ -35,6 +42,7 @@ from llmpipe.stages import StageContext, StageError, StageResult
 log = logging.getLogger("llmpipe.bench")
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE, VARIANTS_DIR = "results.json", "results.md", "latency.png", "variants"
+TTFT_PLOT, TPOT_PLOT = "ttft.png", "tpot.png"
 TORCH = "torch"  # the variant name of the PyTorch eager fp32 baseline rows
 ORDER = (TORCH, "fp32", "fp16", "int8")
 
@@ -296,7 +304,33 @@ def summary(results: dict) -> dict[str, Any]:
         "max_abs_diff": {key(r): r["accuracy"]["max_abs_diff"] for r in first if r["accuracy"]},
         "top1_agreement": {key(r): r["accuracy"]["top1_agreement"] for r in first if r["accuracy"]},
         "errors": sum(1 for r in results["rows"] if r["error"]),
+        **_llm_summary(results),
     }
+
+
+def _llm_summary(results: dict) -> dict[str, Any]:
+    """Per provider/variant: decode tokens/s and TPOT at the smallest batch, TTFT at the longest prompt,
+    perplexity / KL / top-1 on validation text, and the rejected variants."""
+    out: dict[str, Any] = {}
+    llm_r, q = results.get("llm"), results.get("quality")
+    key = lambda r: f"{r['provider']}/{r['variant']}"
+    if llm_r:
+        decode = [r for r in llm_r["decode"] if not r.get("error")]
+        if decode:
+            b = min(r["batch"] for r in decode)
+            out["decode_batch"] = b
+            out["decode_tokens_per_s"] = {key(r): round(r["decode_tokens_per_s"], 2) for r in decode if r["batch"] == b}
+            out["tpot_ms"] = {key(r): round(r["tpot_ms"], 4) for r in decode if r["batch"] == b}
+        prefill = [r for r in llm_r["prefill"] if not r.get("error")]
+        if prefill:
+            t = max(r["prompt_len"] for r in prefill)
+            out["ttft_prompt_len"] = t
+            out["ttft_ms"] = {key(r): round(r["ttft_ms"], 4) for r in prefill if r["prompt_len"] == t}
+    if q:
+        for metric in ("ppl", "kl", "top1"):
+            out[metric] = {name: v[metric] for name, v in q["variants"].items()}
+        out["rejected"] = q["rejected"]
+    return out
 
 
 def check_measured(results: dict, requested: Sequence[str], auto_providers: bool) -> None:
@@ -319,22 +353,53 @@ def check_measured(results: dict, requested: Sequence[str], auto_providers: bool
                          f"{', '.join(requested)}; first error: {first})")
 
 
-def om_status(ctx: StageContext) -> str:
-    """Why the OM model is (not) in the table."""
+def om_models(ctx: StageContext) -> tuple[Any, str | None]:
+    """(OmModels, None) when both OM models exist and ais_bench can run them here, else (None, why)."""
     entry = ctx.inputs.get("convert_om")
     if entry is None:
-        return "om: not measured, no convert_om result"
-    manifest = entry[1]
+        return None, "no convert_om result"
+    folder, manifest = entry
     if manifest.status != "completed":
         why = f" ({manifest.reason})" if manifest.reason else ""
-        return f"om: not measured, convert_om was {manifest.status}{why}"
-    if shutil.which("ais_bench") is None:
-        return "om: not measured, ais_bench not found"
-    return "om: not measured, ais_bench found but OM benchmarking is not implemented yet"
+        return None, f"convert_om was {manifest.status}{why}"
+    if "decoder_om" not in manifest.outputs:
+        return None, "convert_om compiled no decoder.om (convert_om.decoder or export.static_decoder is false)"
+    from llmpipe.bench import ais
+    from llmpipe.bench.deploy import OmModels
+
+    reason = ais.unavailable_reason()
+    if reason:
+        return None, reason
+    section = ctx.cfg.convert_om
+    gears = [int(g.split(",")[-1]) for g in (section.dynamic_dims or "").split(";") if g.strip()]
+    return OmModels(manifest.path(folder, "om"), manifest.path(folder, "decoder_om"), gears,
+                    section.decode_batch, ctx.cfg.benchmark.device_id), None
+
+
+def _models(ctx: StageContext, args, torch_model, variants, threads: int):
+    """What the generation benchmark and the quality measurement run (llmpipe.bench.deploy.Models)."""
+    from llmpipe.bench.deploy import Models
+    from llmpipe.export.onnx import STATIC_FILE
+
+    cfg = ctx.cfg.benchmark
+    export = ctx.inputs["export_onnx"][1]
+    static: dict[str, Variant] = {}
+    if "decoder_static" in export.outputs:
+        path = ctx.input_path("export_onnx", "decoder_static")
+        check_external_data(path)
+        static = make_variants(path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, filename=STATIC_FILE)
+    om, om_reason = om_models(ctx)
+    return Models(args, torch_model, variants, static, export.metrics.get("static_decoder_cache_len"), threads,
+                  om, om_reason, list(cfg.variants))
 
 
 def run(ctx: StageContext) -> StageResult:
-    """The benchmark stage: results.json, results.md, latency.png and variants/ in ctx.work_dir."""
+    """The benchmark stage: results.json, results.md, the plots and variants/ in ctx.work_dir."""
+    from llmpipe.bench import deploy
+    from llmpipe.bench.plot import tpot_plot, ttft_plot
+    from llmpipe.data.tokenizer import load_tokenizer
+    from llmpipe.models.llama.io import TOKENIZER
+
     cfg = ctx.cfg.benchmark
     onnx_path = ctx.input_path("export_onnx", "model")
     model_dir = ctx.input_path("consolidate", "model").parent
@@ -346,18 +411,32 @@ def run(ctx: StageContext) -> StageResult:
     check_shapes(cfg.shapes, args.max_seq_len, "benchmark.shapes")
     check_external_data(onnx_path)  # before onnxruntime or a converter opens what it points at
     variants = make_variants(onnx_path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR)
-    torch_model = load_model(model_dir, dtype=torch.float32) if cfg.torch_baseline else None
+    torch_model = load_model(model_dir, dtype=torch.float32)
+    threads = cfg.threads or os.cpu_count() or 1
     results = benchmark(variants, providers, cfg.shapes, requested=list(cfg.variants),
-                        vocab_size=args.vocab_size, warmup=cfg.warmup, iters=cfg.iters, threads=cfg.threads,
-                        seed=ctx.cfg.run.seed, torch_model=torch_model, root=ctx.work_dir)
+                        vocab_size=args.vocab_size, warmup=cfg.warmup, iters=cfg.iters, threads=threads,
+                        seed=ctx.cfg.run.seed, torch_model=torch_model if cfg.torch_baseline else None,
+                        root=ctx.work_dir)
     check_measured(results, list(cfg.variants), auto_providers=cfg.providers == "auto")
-    results["om"] = om_status(ctx)
+    models = _models(ctx, args, torch_model, variants, threads)
+    with torch_threads(threads):
+        results["llm"] = deploy.llm_results(models, providers, cfg, load_tokenizer(model_dir / TOKENIZER),
+                                            ctx.cfg.run.seed)
+        results["quality"] = deploy.quality_results(models, ctx.input_path("prepare_data", "val_bin"),
+                                                    ctx.inputs["train"][0], cfg, ctx.cfg.data.seq_len,
+                                                    ctx.cfg.run.seed)
+    results["om"] = "om: measured through ais_bench" if models.om else f"om: not measured, {models.om_reason}"
     results["notes"].append(results["om"])
     write_json_atomic(ctx.work_dir / RESULTS_FILE, results)
-    (ctx.work_dir / TABLE_FILE).write_text(f"# Benchmark: {ctx.cfg.run.name}\n\n{markdown_table(results)}",
-                                           encoding="utf-8")
+    (ctx.work_dir / TABLE_FILE).write_text(
+        f"# Benchmark: {ctx.cfg.run.name}\n\n## Prefill throughput\n\n{markdown_table(results)}\n"
+        f"## Generation\n\n{llm.markdown(results['llm'])}\n## Quality\n\n"
+        f"{deploy.quality_markdown(results['quality'])}", encoding="utf-8")
     latency_plot(results, ctx.work_dir / PLOT_FILE)
-    outputs = {"results": RESULTS_FILE, "table": TABLE_FILE, "plot": PLOT_FILE}
+    ttft_plot(results["llm"], ctx.work_dir / TTFT_PLOT)
+    tpot_plot(results["llm"], ctx.work_dir / TPOT_PLOT)
+    outputs = {"results": RESULTS_FILE, "table": TABLE_FILE, "plot": PLOT_FILE, "ttft_plot": TTFT_PLOT,
+               "tpot_plot": TPOT_PLOT}
     if any(p.is_file() for p in (ctx.work_dir / VARIANTS_DIR).rglob("*")):
         outputs["variants"] = VARIANTS_DIR
     return StageResult(outputs=outputs, metrics=summary(results))

@@ -1,0 +1,228 @@
+"""The deployment half of the benchmark stage: which engines exist (PyTorch eager, onnxruntime
+variants with the static decoder, OM models through ais_bench), their generation numbers
+(llmpipe.bench.llm), and their quality on validation text along the parity chain with the gates
+of benchmark.quality (llmpipe.bench.quality).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from llmpipe import device
+from llmpipe.bench import llm, quality
+from llmpipe.bench.decode import StaticEngine, TorchEngine, generate
+from llmpipe.bench.ort import Variant, create_session
+from llmpipe.config import BenchmarkSection
+from llmpipe.device import OrtProvider
+from llmpipe.models.llama.model import ModelArgs, Transformer
+from llmpipe.stages import StageError
+
+log = logging.getLogger("llmpipe.bench")
+
+OM = "om"
+
+
+@dataclass
+class OmModels:
+    """convert_om's two OM models and what they were compiled for."""
+
+    prefill: Path
+    decoder: Path
+    gears: list[int]  # prefill sequence lengths (convert_om.dynamic_dims), [] when static
+    batch: int  # convert_om.decode_batch
+    device_id: int
+
+
+@dataclass
+class Models:
+    """Everything the benchmark can run, built once by the stage."""
+
+    args: ModelArgs
+    torch_model: Transformer
+    prefill: dict[str, Variant]  # fp32 / fp16 / int8 of model.onnx
+    static: dict[str, Variant]  # the same of decoder_static.onnx; empty without one
+    cache_len: int | None  # the static decoder's cache slots
+    threads: int
+    om: OmModels | None = None
+    om_reason: str | None = None  # why there are no OM numbers
+    requested: list[str] = field(default_factory=list)
+
+
+def _ort_engine(m: Models, name: str, provider: OrtProvider) -> StaticEngine:
+    prefill, static = m.prefill[name], m.static[name]
+    for v in (prefill, static):
+        if v.error:
+            raise RuntimeError(f"conversion failed: {v.error}")
+    return StaticEngine(create_session(prefill.path, provider, m.threads),
+                        create_session(static.path, provider, m.threads), m.args, m.cache_len)
+
+
+def _om_engine(m: Models) -> StaticEngine:
+    from llmpipe.bench.ais import OmSession
+
+    om = m.om
+    return StaticEngine(OmSession(om.prefill, device_id=om.device_id, dynamic=bool(om.gears)),
+                        OmSession(om.decoder, device_id=om.device_id), m.args, m.cache_len,
+                        prefill_lens=om.gears or None, batch=om.batch)
+
+
+def _torch_engine(m: Models, provider: OrtProvider) -> TorchEngine:
+    dev = device.resolve(provider.name)
+    return TorchEngine(m.torch_model.to(dev), dev)
+
+
+def engines(m: Models, providers: Sequence[OrtProvider], torch_baseline: bool) -> list[tuple[str, str, Callable]]:
+    """(variant, provider, opener) for every engine to measure; the torch baseline first."""
+    out = []
+    for p in providers:
+        if torch_baseline:
+            out.append(("torch", p.name, partial(_torch_engine, m, p)))
+        if m.static:
+            out += [(name, p.name, partial(_ort_engine, m, name, p)) for name in m.requested]
+    if m.om is not None:
+        out.append((OM, "npu", partial(_om_engine, m)))
+    return out
+
+
+def llm_results(m: Models, providers: Sequence[OrtProvider], cfg: BenchmarkSection, tokenizer, seed: int) -> dict:
+    """results["llm"]: prefill and decode rows per engine (with ratios to torch), samples, definitions."""
+    c = cfg.llm
+    plan = llm.LlmPlan(c.prompt_lens, c.batches, c.decode_prompt_len, c.new_tokens, c.repeats,
+                       m.args.vocab_size, seed)
+    measured = []
+    for name, provider, opener in engines(m, providers, cfg.torch_baseline):
+        measured.append(llm.measure_engine(name, provider, opener, plan, tokenizer,
+                                           (c.sample_prompt, c.sample_tokens)))
+        m.torch_model.to("cpu")
+    prefill, decode = llm.flat_rows(measured, "prefill"), llm.flat_rows(measured, "decode")
+    if m.om is None:
+        why = m.om_reason or "no OM model"
+        prefill.append({"variant": OM, "provider": "npu", "error": f"not measured: {why}"})
+        decode.append({"variant": OM, "provider": "npu", "error": f"not measured: {why}"})
+    llm.add_ratios(decode, prefill)
+    if not m.static:
+        note = "no decoder_static.onnx (export.static_decoder: false): onnxruntime generation not measured"
+        decode.append({"variant": "onnx", "provider": "-", "error": note})
+    return {"cache_len": m.cache_len, "definitions": llm.DEFINITIONS, "prefill": prefill, "decode": decode,
+            "samples": {f"{x['provider']}/{x['variant']}": x["sample"] for x in measured if x["sample"]}}
+
+
+# --------------------------------------------------------------------------- quality
+
+
+def _logits_torch(model: torch.nn.Module, ids: np.ndarray) -> np.ndarray:
+    with torch.inference_mode():
+        return np.concatenate([model(torch.from_numpy(ids[i:i + 4])).float().numpy()
+                               for i in range(0, len(ids), 4)])  # (N, T, vocab)
+
+
+def _logits_ort(v: Variant, threads: int, ids: np.ndarray) -> np.ndarray:
+    session = create_session(v.path, device.ort_providers(["cpu"])[0], threads)
+    return np.concatenate([session.run(["logits"], {"input_ids": ids[i:i + 4]})[0] for i in range(0, len(ids), 4)])
+
+
+def _logits_om(m: Models, ids: np.ndarray) -> np.ndarray:
+    """OM prefill, one row at a time (it is compiled for batch 1), padded to a gear."""
+    engine = _om_engine(m)
+    T = ids.shape[1]
+    out = []
+    for row in ids:
+        padded = engine._padded(row[None])  # (1, gear)
+        out.append(engine.prefill.run(["logits"], {"input_ids": padded})[0][:, :T])
+    return np.concatenate(out)
+
+
+def _hop(name: str, compute: Callable[[], np.ndarray]) -> tuple[str, np.ndarray | None, str | None]:
+    try:
+        return name, compute(), None
+    except (StageError, RuntimeError, ValueError, OSError) as err:
+        text = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        log.warning("quality: %s not measured: %s", name, text)
+        return name, None, text
+
+
+def _continuations(m: Models, ids: np.ndarray, cfg) -> dict[str, dict]:
+    """Greedy continuation agreement of every ORT variant (CPU) and the OM with torch fp32."""
+    n = min(cfg.continuation_prompts, len(ids))
+    if n == 0 or not m.static:
+        return {}
+    prompts = ids[:n, : max(1, ids.shape[1] // 2)]
+    k = cfg.continuation_tokens
+    if prompts.shape[1] + k > (m.cache_len or 0):
+        k = max(1, (m.cache_len or 0) - prompts.shape[1])
+    ref = generate(TorchEngine(m.torch_model), prompts, k).tokens
+    out = {}
+    cpu = device.ort_providers(["cpu"])[0]
+    for name in m.requested:
+        try:
+            out[name] = quality.continuation_agreement(ref, generate(_ort_engine(m, name, cpu), prompts, k).tokens)
+        except (RuntimeError, ValueError) as err:
+            out[name] = {"error": str(err).splitlines()[0]}
+    if m.om is not None and m.om.batch == 1:
+        try:
+            engine = _om_engine(m)
+            om = np.concatenate([generate(engine, p[None], k).tokens for p in prompts])
+            out[OM] = quality.continuation_agreement(ref, om)
+        except (RuntimeError, ValueError) as err:
+            out[OM] = {"error": str(err).splitlines()[0]}
+    return out
+
+
+def quality_results(m: Models, val_bin: Path, train_dir: Path, cfg: BenchmarkSection, seq_len: int,
+                    seed: int) -> dict[str, Any]:
+    """results["quality"]: per-variant metrics vs torch fp32 on validation text, continuation
+    agreement, the parity chain, the verdicts. Raises StageError for a failed gate under enforce."""
+    q = cfg.quality
+    T = min(q.seq_len or seq_len, m.args.max_seq_len)
+    ids = quality.val_sample(val_bin, q.samples, T, seed)  # (N, T)
+    ref = _logits_torch(m.torch_model, ids)
+    hops = [_hop("training checkpoint", lambda: _logits_torch(quality.checkpoint_logits_model(train_dir), ids)),
+            ("consolidated weights (torch fp32)", ref, None)]
+    per_variant: dict[str, dict] = {}
+    for name in ["fp32", *(v for v in m.requested if v != "fp32")]:
+        v = m.prefill[name]
+        hop = (f"ONNX {name}", None, f"conversion failed: {v.error}") if v.error else \
+            _hop(f"ONNX {name}", partial(_logits_ort, v, m.threads, ids))
+        hops.append(hop)
+        if hop[1] is not None and name in m.requested:
+            per_variant[name] = quality.text_metrics(ids, ref, hop[1])
+    if m.om is not None:
+        hop = _hop("OM", partial(_logits_om, m, ids))
+        if hop[1] is not None:
+            per_variant[OM] = quality.text_metrics(ids, ref, hop[1])
+    else:
+        hop = ("OM", None, m.om_reason or "no OM model")
+    hops.append(hop)
+    for name, agree in _continuations(m, ids, q).items():
+        if name in per_variant:
+            per_variant[name]["continuation"] = agree
+    verdicts = quality.judge(per_variant, q, sequences=len(ids))
+    rejected = quality.enforce_gates(verdicts, q.enforce)
+    for v in verdicts:
+        per_variant[v.variant]["verdict"] = "accepted" if v.passed else "rejected"
+        if not v.passed:
+            per_variant[v.variant]["rejected_because"] = v.message()
+    rows = quality.chain_rows(ids, hops)
+    return {"samples": int(len(ids)), "seq_len": int(T), "variants": per_variant, "rejected": rejected,
+            "chain": rows, "chain_markdown": quality.chain_markdown(rows)}
+
+
+def quality_markdown(qr: dict[str, Any]) -> str:
+    """Per-variant quality table (vs torch fp32 on validation text) and the parity chain."""
+    lines = [f"Quality on {qr['samples']} validation sequences of {qr['seq_len']} tokens, against torch fp32:", "",
+             "| variant | perplexity | ppl increase | KL | top-1 | greedy token agreement | verdict |",
+             "|---|--:|--:|--:|--:|--:|---|"]
+    for name, r in qr["variants"].items():
+        cont = r.get("continuation", {})
+        agree = f"{cont['token_agreement']:.3f}" if "token_agreement" in cont else "-"
+        lines.append(f"| {name} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.3f}% | {r['kl']:.2e} | "
+                     f"{r['top1']:.4f} | {agree} | {r.get('verdict', '-')} |")
+    return "\n".join(lines) + "\n\nParity chain:\n\n" + qr["chain_markdown"]

@@ -1,0 +1,173 @@
+"""`llmpipe generate RUN --prompt TEXT`: text from a finished run, streamed as it is produced.
+
+The run's tokenizer (consolidate's tokenizer.json) and one model variant:
+
+    torch   the consolidated weights in PyTorch eager (Transformer.forward_cached)
+    fp32    export_onnx's model.onnx + decoder_static.onnx in onnxruntime
+    fp16    the benchmark stage's FP16 variants of both graphs (benchmark/variants/fp16/)
+    int8    the benchmark stage's dynamic-INT8 variants (benchmark/variants/int8/)
+    om      convert_om's model.om + decoder.om through ais_bench (where CANN and an NPU exist)
+
+Every file read is first checked against its stage's manifest (size and sha256).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import TextIO
+
+import numpy as np
+
+from llmpipe.errors import UserError
+
+VARIANTS = ("torch", "fp32", "fp16", "int8", "om")
+
+
+class GenerateError(UserError):
+    """A run that cannot generate (a stage missing, a file changed), or a prompt that does not fit."""
+
+
+@dataclass
+class Loaded:
+    engine: object
+    tokenizer: object
+    eos_id: int | None
+    describe: str
+
+
+def _stage(run_dir: Path, name: str, output: str, why: str) -> tuple[Path, object]:
+    """(stage folder, manifest) of a completed stage whose files verify."""
+    from llmpipe.manifest import Manifest
+    from llmpipe.stages import stage_dir
+
+    folder = stage_dir(run_dir, name)
+    manifest = Manifest.read(folder)
+    if manifest is None or manifest.status != "completed" or output not in manifest.outputs:
+        raise GenerateError(f"{run_dir}: stage {name} has not completed with {output!r}; {why}")
+    problem = manifest.verify(folder)
+    if problem:
+        raise GenerateError(f"{folder}: {problem}; refusing to use it (re-run the stage)")
+    return folder, manifest
+
+
+def _sessions(prefill: Path, decoder: Path, threads: int | None):
+    from llmpipe import device
+    from llmpipe.bench.ort import create_session
+    from llmpipe.export.onnx import check_external_data
+
+    cpu = device.ort_providers(["cpu"])[0]
+    for path in (prefill, decoder):
+        check_external_data(path)
+    return create_session(prefill, cpu, threads), create_session(decoder, cpu, threads)
+
+
+def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
+    """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`."""
+    import torch
+
+    from llmpipe.bench.decode import StaticEngine, TorchEngine
+    from llmpipe.data.tokenizer import load_tokenizer
+    from llmpipe.models.llama.io import TOKENIZER, load_model, read_args
+
+    if variant not in VARIANTS:
+        raise GenerateError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
+    consolidated, _ = _stage(run_dir, "consolidate", "model", "run the pipeline first")
+    tokenizer = load_tokenizer(consolidated / TOKENIZER)
+    args = read_args(consolidated)
+    eos = tokenizer.token_to_id("<|endoftext|>")
+    if threads:
+        torch.set_num_threads(threads)
+    if variant == "torch":
+        return Loaded(TorchEngine(load_model(consolidated, dtype=torch.float32)), tokenizer, eos,
+                      "PyTorch eager, fp32, KV cache")
+    if variant == "om":
+        return Loaded(_om_engine(run_dir, args), tokenizer, eos, "OM through ais_bench")
+    folder, manifest = _stage(run_dir, "export_onnx", "decoder_static",
+                              "export it with export.static_decoder: true")
+    length = int(manifest.metrics.get("static_decoder_cache_len") or 0)
+    if variant == "fp32":
+        prefill, decoder = manifest.path(folder, "model"), manifest.path(folder, "decoder_static")
+    else:
+        bench, bm = _stage(run_dir, "benchmark", "results", f"the benchmark stage makes the {variant} variant")
+        prefill = bench / "variants" / variant / "model.onnx"
+        decoder = bench / "variants" / variant / "decoder_static.onnx"
+        if not decoder.is_file() or not prefill.is_file():
+            raise GenerateError(f"{bench}: no {variant} variant of both graphs (is {variant} in "
+                                "benchmark.variants?)")
+    return Loaded(StaticEngine(*_sessions(prefill, decoder, threads), args, length), tokenizer, eos,
+                  f"onnxruntime {variant}, static KV cache of {length}")
+
+
+def _om_engine(run_dir: Path, args):
+    from llmpipe.bench import ais
+    from llmpipe.bench.decode import StaticEngine
+
+    reason = ais.unavailable_reason()
+    if reason:
+        raise GenerateError(f"--variant om: {reason}")
+    folder, manifest = _stage(run_dir, "convert_om", "decoder_om", "convert_om must have compiled both graphs")
+    export_folder, export_manifest = _stage(run_dir, "export_onnx", "decoder_static", "")
+    cfg = manifest.config.get("convert_om", {})
+    gears = [int(g.split(",")[0]) for g in (cfg.get("dynamic_dims") or "").split(";") if g.strip()]
+    length = int(export_manifest.metrics.get("static_decoder_cache_len") or 0)
+    device_id = int(manifest.config.get("benchmark", {}).get("device_id", 0))
+    prefill = ais.OmSession(manifest.path(folder, "om"), device_id=device_id, dynamic=bool(gears))
+    decoder = ais.OmSession(manifest.path(folder, "decoder_om"), device_id=device_id)
+    return StaticEngine(prefill, decoder, args, length, prefill_lens=gears or None,
+                        batch=int(cfg.get("decode_batch", 1)))
+
+
+class Streamer:
+    """Prints text as tokens arrive: decodes everything so far and writes what is new, so a
+    character split over several byte-level tokens appears once it is whole."""
+
+    def __init__(self, tokenizer, out: TextIO):
+        self.tokenizer, self.out, self.ids, self.shown = tokenizer, out, [], ""
+
+    def __call__(self, tokens: np.ndarray) -> None:
+        self.ids.append(int(tokens[0]))
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its next byte
+            return
+        self.out.write(text[len(self.shown):])
+        self.out.flush()
+        self.shown = text
+
+
+def run_generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, variant: str = "fp32",
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, threads: int | None = None, out: TextIO = sys.stdout) -> dict:
+    """Stream a continuation of `prompt` to `out`; returns the numbers of the closing line."""
+    from llmpipe.bench.decode import CapacityError, generate, pick_tokens
+
+    if max_new_tokens < 1:
+        raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
+        raise GenerateError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 1")
+    loaded = open_run(Path(run_dir), variant, threads)
+    ids = loaded.tokenizer.encode(prompt).ids
+    if not ids:
+        raise GenerateError("--prompt: empty after tokenization")
+    if len(ids) >= loaded.engine.capacity:
+        raise GenerateError(f"--prompt: {len(ids)} tokens, but the model's context ({loaded.describe}) holds "
+                            f"{loaded.engine.capacity}; shorten the prompt")
+    new = min(max_new_tokens, loaded.engine.capacity + 1 - len(ids))
+    pick: Callable = partial(pick_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             rng=np.random.default_rng(seed))
+    out.write(prompt)
+    stream = Streamer(loaded.tokenizer, out)
+    try:
+        gen = generate(loaded.engine, np.array([ids], dtype=np.int64), new, pick, stream, stop_id=loaded.eos_id)
+    except CapacityError as err:
+        raise GenerateError(str(err)) from None
+    n = gen.tokens.shape[1]
+    stats = {"variant": variant, "prompt_tokens": len(ids), "new_tokens": n, "ttft_ms": gen.ttft_s * 1e3,
+             "tokens_per_s": gen.decode_tokens_per_s(), "text": stream.tokenizer.decode(stream.ids)}
+    rate = f"{stats['tokens_per_s']:.1f} tokens/s" if stats["tokens_per_s"] else "- tokens/s"
+    out.write(f"\n[{loaded.describe}] prompt {len(ids)} tokens, {n} new tokens, time to first token "
+              f"{stats['ttft_ms']:.1f} ms, {rate} (decode, first token excluded)\n")
+    return stats
