@@ -2,7 +2,10 @@
 
 ais_bench (https://gitee.com/ascend/tools/tree/master/ais-bench_workload/tool/ais_bench) runs .om
 models on an Ascend NPU through its `aclruntime` backend (CANN). Its Python API, as documented in the
-ait benchmark "interface python API" guide (ait/docs/benchmark/API_GUIDE.md; gitee.com/ascend/ait):
+"interface python API" guide, https://gitee.com/ascend/ait/blob/master/ait/docs/benchmark/API_GUIDE.md
+(InferSession(device_id, model_path, acl_json_path=None, debug=False, loop=1); infer(feeds,
+mode='static', custom_sizes=100000, out_array=True); mode one of static, dymbatch, dymhw, dymdims,
+dymshape):
 
   from ais_bench.infer.interface import InferSession
   session = InferSession(device_id, model_path)          # loads the model on that NPU
