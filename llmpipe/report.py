@@ -118,10 +118,44 @@ def _bench_section(run_dir: Path) -> str:
         return ""
     from llmpipe.bench.run import load_results, table_rows
 
-    rows = table_rows(load_results(folder))
-    notes = load_results(folder).get("notes", [])
+    results = load_results(folder)
+    notes = results.get("notes", [])
     notes_html = "".join(f"<li>{html.escape(n)}</li>" for n in notes)
-    return f'<h2>Benchmark</h2>{_table(rows)}<ul>{notes_html}</ul><img alt="latency" src="{folder.name}/latency.png">'
+    parts = [f'<h2>Benchmark: prefill throughput</h2>{_table(table_rows(results))}<ul>{notes_html}</ul>'
+             f'<img alt="latency" src="{folder.name}/latency.png">']
+    if results.get("llm"):
+        parts.append(_llm_section(results["llm"], folder.name))
+    if results.get("quality"):
+        parts.append(_quality_section(results["quality"]))
+    return "".join(parts)
+
+
+_LLM_COLS = {"prefill": ("provider", "variant", "prompt_len", "prefill_ms", "ttft_ms", "ttft_ratio", "error"),
+             "decode": ("provider", "variant", "batch", "tpot_ms", "decode_tokens_per_s", "decode_speedup",
+                        "e2e_tokens_per_s", "ttft_ms", "error")}
+
+
+def _llm_section(llm: dict[str, Any], folder: str) -> str:
+    """Generation: TTFT and TPOT tables and plots, the definitions, one sample per engine."""
+    tables = {k: _table([{c: r.get(c) for c in cols} for r in llm[k]]) for k, cols in _LLM_COLS.items()}
+    defs = "".join(f"<li>{html.escape(d)}</li>" for d in llm.get("definitions", []))
+    samples = "".join(f"<h4>{html.escape(name)}</h4><pre>{html.escape(s['prompt'])}<b>{html.escape(s['text'])}"
+                      "</b></pre>" for name, s in llm.get("samples", {}).items())
+    return (f"<h2>Benchmark: generation (cache of {llm.get('cache_len')} tokens)</h2>"
+            f"<h3>Time to first token</h3>{tables['prefill']}<img alt='TTFT' src='{folder}/ttft.png'>"
+            f"<h3>Decoding</h3>{tables['decode']}<img alt='TPOT' src='{folder}/tpot.png'>"
+            f"<ul>{defs}</ul><h3>Generated samples (greedy; the prompt, then <b>the model's text</b>)</h3>{samples}")
+
+
+def _quality_section(q: dict[str, Any]) -> str:
+    """Quality per variant with its verdict, and the parity chain."""
+    rows = [{"variant": name, "perplexity": v["ppl"], "ppl_increase": v["ppl_increase"], "kl": v["kl"],
+             "top1": v["top1"], "greedy_agreement": v.get("continuation", {}).get("token_agreement"),
+             "verdict": v.get("verdict"), "why": v.get("rejected_because")} for name, v in q["variants"].items()]
+    chain = [{k: r.get(k) for k in ("name", "ppl", "max_abs_diff", "kl", "top1", "prev", "prev_kl", "moved",
+                                    "reason")} for r in q["chain"]]
+    return (f"<h2>Quality on validation text</h2><p>{q['samples']} validation sequences of {q['seq_len']} tokens, "
+            f"against torch fp32.</p>{_table(rows)}<h3>Parity chain</h3>{_table(chain)}")
 
 
 _CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse;margin:1em 0}"
@@ -146,7 +180,14 @@ def markdown(cfg: RunConfig) -> str:
     if Manifest.read(bench) is not None:
         from llmpipe.bench.run import load_results, markdown_table
 
-        lines += ["", "## Benchmark", "", markdown_table(load_results(bench))]
+        results = load_results(bench)
+        lines += ["", "## Benchmark", "", markdown_table(results)]
+        if results.get("llm"):
+            from llmpipe.bench.llm import markdown as llm_markdown
+
+            lines += ["## Generation", "", llm_markdown(results["llm"])]
+        if results.get("quality"):
+            lines += ["## Parity chain", "", results["quality"]["chain_markdown"]]
     return "\n".join(lines) + "\n"
 
 

@@ -233,11 +233,11 @@ def checkpoint_logits_model(train_dir: Path) -> Transformer:
         raise StageError(f"benchmark.quality: no verified training checkpoint in {Path(train_dir) / 'checkpoints'}")
     try:
         args = model_io.read_args(train_dir)
-        # NOTE: portable.read also reads the optimizer moments (about 2x the weights) for every
-        # format: the one reader that turns DCP and ZeRO shards into full tensors.
-        state = portable.read(folder).model
-    except ValueError as err:
-        raise StageError(f"benchmark.quality: cannot read the training checkpoint: {err}") from None
+        # NOTE: the weights only (DCP and ZeRO shards assembled into full tensors); ZeRO's reader
+        # also rebuilds the optimizer moments, which it stores interleaved with the weights.
+        state = portable.read_model(folder)
+    except (ValueError, KeyError, OSError) as err:  # a checkpoint is an input: never a traceback
+        raise StageError(f"benchmark.quality: cannot read the training checkpoint {folder}: {err}") from None
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device="cpu")

@@ -60,6 +60,18 @@ def read(folder: Path) -> Portable:
     return Portable(*_read_dcp(folder), trainer)
 
 
+def read_model(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's full tensors only (llmpipe names), of any format; what evaluating a checkpoint
+    needs. For "full" and "dcp" the optimizer state is not read."""
+    folder = Path(folder)
+    fmt = ckpt.read_meta(folder).get("format")
+    if fmt == "full":
+        return load_file(str(folder / ckpt.MODEL))
+    if fmt == "dcp":
+        return _read_dcp(folder, optim=False)[0]
+    return read(folder).model
+
+
 def _read_full(folder: Path, meta: dict) -> tuple[dict, dict]:
     from llmpipe.models.llama.model import ModelArgs, Transformer
     from llmpipe.optim import param_order
@@ -75,21 +87,21 @@ def _read_full(folder: Path, meta: dict) -> tuple[dict, dict]:
     return model, {by_id[i]: dict(s) for i, s in saved["state"].items()}
 
 
-def _read_dcp(folder: Path) -> tuple[dict, dict]:
+def _read_dcp(folder: Path, optim: bool = True) -> tuple[dict, dict]:
     from llmpipe.checkpoint.dcp import DCP_DIR, MODEL_PREFIX, _Reader, load_key
 
     reader = _Reader(folder / DCP_DIR)
     model: dict[str, torch.Tensor] = {}
-    optim: dict[str, dict[str, torch.Tensor]] = {}
+    moments: dict[str, dict[str, torch.Tensor]] = {}
     for key, entry in sorted(reader.read_metadata().state_dict_metadata.items()):
         if not isinstance(entry, TensorStorageMetadata):
             continue
         if key.startswith(MODEL_PREFIX):
             model[key.removeprefix(MODEL_PREFIX)] = load_key(reader, key, entry)
-        elif key.startswith(_OPTIM_PREFIX):
+        elif optim and key.startswith(_OPTIM_PREFIX):
             name, _, state = key.removeprefix(_OPTIM_PREFIX).rpartition(".")
-            optim.setdefault(name, {})[state] = load_key(reader, key, entry)
-    return model, optim
+            moments.setdefault(name, {})[state] = load_key(reader, key, entry)
+    return model, moments
 
 
 def load_into(strategy, folder: Path) -> dict[str, Any]:

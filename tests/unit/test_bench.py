@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from llmpipe import device
@@ -62,29 +64,60 @@ def test_time_calls_counts_warmup_and_iters():
 
 # ---- the stage on the debug model -----------------------------------------------------------
 
+CACHE = 48  # slots of the test's static decoder
+LLM = {"prompt_lens": [8, 16], "batches": [1, 2], "decode_prompt_len": 8, "new_tokens": 4, "repeats": 1,
+       "sample_tokens": 6}
+QUALITY = {"samples": 4, "seq_len": 16, "continuation_prompts": 2, "continuation_tokens": 4}
+
+
 def _inputs(root: Path) -> dict[str, tuple[Path, Manifest]]:
-    """Published-looking consolidate / export_onnx / convert_om (skipped) results under root."""
-    consolidated, exported = root / "consolidated", root / "exported"
-    consolidated.mkdir(parents=True)
-    exported.mkdir()
+    """Published-looking prepare_data (tokenizer, validation shard) / train (one "full" checkpoint of
+    the model) / consolidate / export_onnx (prefill + static decoder) / convert_om (skipped) under root."""
+    from llmpipe.checkpoint import io as ckpt
+    from llmpipe.checkpoint import portable
+    from llmpipe.data.shards import write_shard
+    from llmpipe.data.tokenizer import train_tokenizer
+    from llmpipe.export.onnx import export_static_decoder
+
+    consolidated, exported, data, train = root / "consolidated", root / "exported", root / "data", root / "train"
+    for folder in (consolidated, exported, data, train):
+        folder.mkdir(parents=True)
     model = Transformer(FLAVORS["debug"])
     model.init_weights(seed=0)
     save_file(model.state_dict(), str(consolidated / model_io.WEIGHTS))
     model_io.write_args(consolidated, model.args, "fp32")
+    model_io.write_args(train, model.args, "fp32")
+    text = ["def main(argv):\n    return len(argv) + 1\n" * 5, "import os\nprint(os.getcwd())\n" * 5]
+    train_tokenizer(text, vocab_size=300).save(str(consolidated / model_io.TOKENIZER))
+    rng = np.random.default_rng(0)
+    write_shard(data / "val.bin", [rng.integers(1, 300, 40) for _ in range(4)], np.uint16)
+
+    def write(folder: Path) -> list[Path]:
+        save_file(model.state_dict(), str(folder / ckpt.MODEL))
+        torch.save({}, folder / portable.OPTIM)
+        torch.save({"step": 1}, folder / portable.TRAINER)
+        return [folder / ckpt.MODEL, folder / portable.OPTIM, folder / portable.TRAINER]
+
+    ckpt.save(train / "checkpoints", 1, write, {"format": "full", "model": model.args.to_dict()})
     export_prefill(model, exported / "model.onnx", opset=17)
-    made = lambda stage, folder, **outputs: Manifest(
-        stage=stage, status="completed", fingerprint=stage,
+    export_static_decoder(model, exported / "decoder_static.onnx", opset=17, length=CACHE)
+    made = lambda stage, folder, metrics=None, **outputs: Manifest(
+        stage=stage, status="completed", fingerprint=stage, metrics=metrics or {},
         outputs={k: file_entry(folder, v) for k, v in outputs.items()})
     skipped = Manifest(stage="convert_om", status="skipped", fingerprint="c", reason="CANN toolkit not found")
     return {"consolidate": (consolidated, made("consolidate", consolidated, model=model_io.WEIGHTS)),
-            "export_onnx": (exported, made("export_onnx", exported, model="model.onnx")),
-            "convert_om": (root / "om", skipped)}
+            "export_onnx": (exported, made("export_onnx", exported, {"static_decoder_cache_len": CACHE},
+                                           model="model.onnx", decoder_static="decoder_static.onnx")),
+            "convert_om": (root / "om", skipped),
+            "prepare_data": (data, made("prepare_data", data, val_bin="val.bin")),
+            "train": (train, made("train", train, model_config=model_io.CONFIG))}
 
 
-def _ctx(root: Path, inputs, **benchmark) -> StageContext:
+def _ctx(root: Path, inputs, convert_om: dict | None = None, **benchmark) -> StageContext:
+    benchmark = {"shapes": SHAPES, "warmup": 1, "iters": 3, "threads": 2, "llm": LLM,
+                 "quality": {**QUALITY, "enforce": False}, **benchmark}
     cfg = from_dict({"run": {"name": "t", "artifacts_dir": str(root / "artifacts")},
-                     "data": {"inputs": ["x"]},
-                     "benchmark": {"shapes": SHAPES, "warmup": 1, "iters": 3, "threads": 2, **benchmark}})
+                     "data": {"inputs": ["x"]}, "benchmark": benchmark, "convert_om": convert_om or {}})
     work = root / f"work-{len(list(root.glob('work-*')))}"
     work.mkdir()
     return StageContext(cfg, "benchmark", cfg.run_dir(), work, inputs, "fp")
@@ -149,10 +182,16 @@ def test_notes_and_om_status(stage):
 
 def test_om_status_without_ais_bench(stage, monkeypatch):
     ctx, _, _, inputs = stage
-    done = Manifest(stage="convert_om", status="completed", fingerprint="c")
-    monkeypatch.setattr(bench.shutil, "which", lambda name: None)
-    ctx = _ctx(ctx.work_dir.parent, {**inputs, "convert_om": (Path("om"), done)})
-    assert bench.om_status(ctx) == "om: not measured, ais_bench not found"
+    om = ctx.work_dir.parent / "om-done"
+    om.mkdir(exist_ok=True)
+    for name in ("model.om", "decoder.om"):
+        (om / name).write_bytes(b"x")
+    done = Manifest(stage="convert_om", status="completed", fingerprint="c",
+                    outputs={"om": file_entry(om, "model.om"), "decoder_om": file_entry(om, "decoder.om")})
+    monkeypatch.setitem(sys.modules, "ais_bench", None)  # not importable, whatever the machine has
+    ctx = _ctx(ctx.work_dir.parent, {**inputs, "convert_om": (om, done)})
+    models, why = bench.om_models(ctx)
+    assert models is None and why.startswith("ais_bench not installed")
 
 
 def test_markdown_table_has_the_rows(stage):
@@ -305,3 +344,117 @@ def test_a_provider_that_cannot_be_enabled_is_left_out_only_under_auto():
         bench.check_measured({"rows": [ok, gone]}, ["fp32"], auto_providers=False)
     with pytest.raises(StageError, match="no ONNX variant produced numbers"):
         bench.check_measured({"rows": [gone]}, ["fp32"], auto_providers=True)
+
+
+# ---- generation and quality (the deployment half) -------------------------------------------
+
+
+def test_generation_rows_for_every_engine_with_ratios_to_torch(stage):
+    ctx, result, results, _ = stage
+    llm = results["llm"]
+    assert llm["cache_len"] == CACHE and any("TPOT" in d for d in llm["definitions"])
+    measured = [r for r in llm["decode"] if not r.get("error")]
+    assert {(r["variant"], r["batch"]) for r in measured} == {(v, b) for v in ("torch", "fp32", "fp16", "int8")
+                                                              for b in (1, 2)}
+    for r in measured:
+        assert r["tpot_ms"] > 0 and r["new_tokens"] == 4 and r["prompt_len"] == 8
+        assert r["decode_tokens_per_s"] == pytest.approx(r["batch"] * 1e3 / r["tpot_ms"])
+        assert r["e2e_tokens_per_s"] > 0 and r["decode_speedup"] > 0
+    assert all(r["decode_speedup"] == 1.0 for r in measured if r["variant"] == "torch")
+    prefill = [r for r in llm["prefill"] if not r.get("error")]
+    assert sorted((r["variant"], r["prompt_len"]) for r in prefill if r["variant"] == "fp32") == [("fp32", 8),
+                                                                                                   ("fp32", 16)]
+    assert all(r["ttft_ms"] >= r["prefill_ms"] > 0 for r in prefill)
+    [om] = [r for r in llm["decode"] if r["variant"] == "om"]
+    assert om["error"] == "not measured: convert_om was skipped (CANN toolkit not found)"
+    # greedy samples: ONNX fp32 with the static decoder picks PyTorch's tokens
+    samples = llm["samples"]
+    assert set(samples) == {"cpu/torch", "cpu/fp32", "cpu/fp16", "cpu/int8"}
+    assert samples["cpu/fp32"]["tokens"] == samples["cpu/torch"]["tokens"] and len(samples["cpu/fp32"]["tokens"]) == 6
+    assert result.metrics["decode_batch"] == 1 and result.metrics["ttft_prompt_len"] == 16
+    assert set(result.metrics["tpot_ms"]) == {"cpu/torch", "cpu/fp32", "cpu/fp16", "cpu/int8"}
+    for name in ("ttft_plot", "tpot_plot"):
+        assert (ctx.work_dir / result.outputs[name]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = (ctx.work_dir / "results.md").read_text()
+    assert "## Generation" in text and "| cpu | int8 | 2 |" in text and "Definitions:" in text
+
+
+def test_quality_on_validation_text_along_the_chain(stage):
+    _, result, results, _ = stage
+    q = results["quality"]
+    assert q["samples"] == 4 and q["seq_len"] == 16 and set(q["variants"]) == {"fp32", "fp16", "int8"}
+    fp32, fp16 = q["variants"]["fp32"], q["variants"]["fp16"]
+    assert abs(fp32["ppl_increase"]) < 1e-5 and fp32["kl"] < 1e-8 and fp32["top1"] == 1.0
+    assert fp32["continuation"]["token_agreement"] == 1.0 and fp32["verdict"] == "accepted"
+    assert 0 < fp16["kl"] < 1e-3
+    names = [r["name"] for r in q["chain"]]
+    assert names == ["training checkpoint", "consolidated weights (torch fp32)", "ONNX fp32", "ONNX fp16",
+                     "ONNX int8", "OM"]
+    ckpt_row, consolidated = q["chain"][0], q["chain"][1]
+    assert consolidated["max_abs_diff"] == 0.0 and consolidated["prev_kl"] == 0.0  # same weights
+    assert ckpt_row["ppl"] == pytest.approx(consolidated["ppl"])
+    assert q["chain"][-1]["ppl"] is None and "convert_om was skipped" in q["chain"][-1]["reason"]
+    assert "The largest step is" in q["chain_markdown"]
+    assert result.metrics["ppl"]["fp32"] == fp32["ppl"] and result.metrics["rejected"] == q["rejected"]
+
+
+def test_a_gate_beyond_reach_fails_the_stage_in_one_line_or_marks_the_variant_rejected(stage):
+    ctx, _, results, inputs = stage
+    int8 = results["quality"]["variants"]["int8"]
+    assert int8["top1"] < 1.0  # the premise: int8 moves some argmax
+    gate = {**QUALITY, "int8": {"min_top1": 1.0}}
+    with pytest.raises(StageError) as err:
+        bench.run(_ctx(ctx.work_dir.parent, inputs, quality={**gate, "enforce": True}))
+    message = str(err.value)
+    assert message.startswith(f"benchmark: int8 fails its quality gate: top-1 agreement {int8['top1']:.4f}") or \
+        message.startswith("benchmark: int8 fails its quality gate: "), message
+    assert "benchmark.quality.int8.min_top1=1" in message and "\n" not in message
+    ctx2 = _ctx(ctx.work_dir.parent, inputs, quality={**gate, "enforce": False})
+    bench.run(ctx2)
+    rejected = json.loads((ctx2.work_dir / "results.json").read_text())["quality"]
+    assert rejected["rejected"] == ["int8"] and rejected["variants"]["int8"]["verdict"] == "rejected"
+
+
+FAKES = Path(__file__).resolve().parents[1] / "fakes"
+
+
+def _fake_om(path: Path, onnx_path: Path, input_shape: str, dynamic_dims: str | None) -> None:
+    """An OM file as tests/fakes/atc writes it (the real ATC cannot exist here)."""
+    path.write_text("LLMPIPE-FAKE-OM v1\n" + json.dumps({"onnx": str(onnx_path.resolve()), "input_shape": input_shape,
+                                                          "dynamic_dims": dynamic_dims, "soc_version": "Ascend910B"})
+                    + "\n")
+
+
+def test_om_models_are_measured_through_ais_bench_where_it_exists(tmp_path, monkeypatch):
+    """With a fake ais_bench (tests/fakes/ais_bench_pkg, running the ONNX the fake OM names in
+    onnxruntime): the OM rows are measured, the static OM decoder only at its compiled batch, the
+    prefill OM padded to its gears, and the OM hop of the chain is measured."""
+    from llmpipe.export.onnx import static_inputs
+
+    monkeypatch.syspath_prepend(str(FAKES / "ais_bench_pkg"))
+    for name in [m for m in sys.modules if m == "ais_bench" or m.startswith("ais_bench.")]:
+        monkeypatch.delitem(sys.modules, name)
+    inputs = _inputs(tmp_path)
+    a = FLAVORS["debug"]
+    om = tmp_path / "om"
+    om.mkdir()
+    exported = tmp_path / "exported"
+    _fake_om(om / "model.om", exported / "model.onnx", "input_ids:1,-1", "8;16")
+    dims = {"input_ids": "1,1", "position_ids": "1,1", "attention_mask": f"1,{CACHE}"}
+    shape = ";".join(f"{n}:{dims.get(n, f'1,{a.n_kv_heads},{CACHE},{a.head_dim}')}" for n in static_inputs(a.n_layers))
+    _fake_om(om / "decoder.om", exported / "decoder_static.onnx", shape, None)
+    done = Manifest(stage="convert_om", status="completed", fingerprint="c",
+                    outputs={"om": file_entry(om, "model.om"), "decoder_om": file_entry(om, "decoder.om")})
+    ctx = _ctx(tmp_path, {**inputs, "convert_om": (om, done)}, variants=["fp32"], shapes=[[1, 16]],
+               convert_om={"input_shape": "input_ids:1,-1", "dynamic_dims": "8;16"})
+    bench.run(ctx)
+    results = json.loads((ctx.work_dir / "results.json").read_text())
+    assert results["om"] == "om: measured through ais_bench"
+    rows = {(r["batch"], bool(r.get("error"))) for r in results["llm"]["decode"] if r["variant"] == "om"}
+    assert rows == {(1, False), (2, True)}  # decoder.om is compiled for batch 1
+    om_prefill = [r for r in results["llm"]["prefill"] if r["variant"] == "om"]
+    assert [r["prompt_len"] for r in om_prefill] == [8, 16] and all(r["ttft_ms"] > 0 for r in om_prefill)
+    q = results["quality"]
+    assert q["variants"]["om"]["top1"] == 1.0 and q["variants"]["om"]["continuation"]["token_agreement"] == 1.0
+    assert q["chain"][-1]["name"] == "OM" and q["chain"][-1]["ppl"] is not None
+    assert results["llm"]["samples"]["npu/om"]["tokens"] == results["llm"]["samples"]["cpu/torch"]["tokens"]

@@ -63,7 +63,8 @@ LOAD_CASES = [
     (["train.parallel.tp=2", "train.precision.dtype=fp16"], "train.precision.dtype=fp16 is not supported with tp/pp"),
     (["convert_om.input_shape=1,128"], "convert_om.input_shape: '1,128' in '1,128' is not 'name:d1,d2,...'"),
     (["convert_om.input_shape=input_ids:1,x"], "convert_om.input_shape: 'input_ids:1,x'"),
-    (["convert_om.input_shape=input_ids:1,128", "convert_om.dynamic_dims=32;64"], "convert_om.dynamic_dims ('32;64') needs -1 dims in convert_om.input_shape, "
+    (["convert_om.input_shape=input_ids:1,128", "convert_om.dynamic_dims=32;64"],
+     "convert_om.dynamic_dims ('32;64') needs -1 dims in convert_om.input_shape, "
                                         "but 'input_ids:1,128' has none"),
     (["convert_om.input_shape=input_ids:1,-1", "convert_om.dynamic_dims='32'"], "ATC takes 2 to 100 gears, got 1"),
     (["train.max_steps=10000001"], "train.max_steps: Input should be less than or equal to 10000000"),
@@ -143,7 +144,8 @@ def test_set_value_that_is_not_yaml_is_refused_not_taken_as_text():
             config_mod.load(TINY, [f"data.inputs={value}"])
         msg = str(err.value)
         assert msg.startswith(f"--set data.inputs={value}: the value is not valid YAML (") and "quote" in msg, msg
-    cfg = config_mod.load(TINY, ["data.text_field=\"*body\"", "convert_om.input_shape=input_ids:1,128", "convert_om.dynamic_dims=null"])
+    cfg = config_mod.load(TINY, ["data.text_field=\"*body\"", "convert_om.input_shape=input_ids:1,128",
+                                 "convert_om.dynamic_dims=null"])
     assert cfg.data.text_field == "*body"  # quoted: the string itself
 
 
