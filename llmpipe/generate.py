@@ -166,7 +166,8 @@ def run_generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, variant: 
         raise GenerateError(str(err)) from None
     n = gen.tokens.shape[1]
     stats = {"variant": variant, "prompt_tokens": len(ids), "new_tokens": n, "ttft_ms": gen.ttft_s * 1e3,
-             "tokens_per_s": gen.decode_tokens_per_s(), "text": stream.tokenizer.decode(stream.ids)}
+             "tokens_per_s": gen.decode_tokens_per_s(), "tokens": list(stream.ids),
+             "text": stream.tokenizer.decode(stream.ids)}
     rate = f"{stats['tokens_per_s']:.1f} tokens/s" if stats["tokens_per_s"] else "- tokens/s"
     out.write(f"\n[{loaded.describe}] prompt {len(ids)} tokens, {n} new tokens, time to first token "
               f"{stats['ttft_ms']:.1f} ms, {rate} (decode, first token excluded)\n")

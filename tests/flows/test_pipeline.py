@@ -4,6 +4,9 @@ setting re-runs export_onnx and later stages only."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +16,7 @@ from llmpipe.config import STAGES
 from llmpipe.manifest import Manifest
 
 pytestmark = pytest.mark.slow
+LLMPIPE = str(Path(sys.executable).with_name("llmpipe"))
 
 
 def _write_config(folder: Path) -> Path:
@@ -25,7 +29,10 @@ def _write_config(folder: Path) -> Path:
                   "threads_per_proc": 1, "optim": {"lr": 3.0e-3}, "schedule": {"warmup_steps": 3},
                   "checkpoint": {"every_steps": 10, "keep_last": 2}, "eval": {"every_steps": 10, "batches": 4}},
         "export": {"parity_shapes": [[1, 16], [2, 48]]},
-        "benchmark": {"shapes": [[1, 32]], "warmup": 1, "iters": 3, "threads": 1},
+        "benchmark": {"shapes": [[1, 32]], "warmup": 1, "iters": 3, "threads": 1,
+                      "llm": {"prompt_lens": [16, 32], "batches": [1, 2], "decode_prompt_len": 16, "new_tokens": 8,
+                              "repeats": 1, "sample_tokens": 16},
+                      "quality": {"samples": 4, "continuation_prompts": 2, "continuation_tokens": 8}},
     }
     path = folder / "flowtest.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -62,8 +69,14 @@ def test_all_six_stages_run(first_run):
     bench = json.loads((run_dir / "06_benchmark" / "results.json").read_text())
     variants = {r["variant"] for r in bench["rows"]}
     assert {"fp32", "fp16", "int8"} <= variants
+    assert {"ttft_ms", "tpot_ms", "decode_tokens_per_s"} <= set(Manifest.read(run_dir / "06_benchmark").metrics)
+    assert set(bench["quality"]["variants"]) == {"fp32", "fp16", "int8"}
+    for v in bench["quality"]["variants"].values():
+        assert {"ppl", "kl", "top1", "continuation"} <= set(v)
+    assert parity["static_decoder"]["identical_tokens"] and parity["static_decoder"]["runs"][0]["new_tokens"] == 64
     html = (run_dir / "report.html").read_text()
     assert "loss curve" in html and "Benchmark" in html
+    assert "ttft.png" in html and "tpot.png" in html and "Parity chain" in html and "Generated samples" in html
     from llmpipe import config as config_mod
     from llmpipe import report
 
@@ -136,3 +149,53 @@ def test_injected_failure_then_rerun_executes_that_stage_onward(first_run, monke
     for s in STAGES[:k]:
         folder = run_dir / f"{STAGES.index(s) + 1:02d}_{s}"
         assert Manifest.read(folder).outputs == digests[s] and Manifest.read(folder).verify(folder) is None
+
+
+def test_generate_streams_text_and_greedy_onnx_matches_pytorch_for_64_tokens(first_run, capsys):
+    """`llmpipe generate`: the ONNX static decoder (onnxruntime) and PyTorch eager pick the same 64
+    greedy tokens from the trained model; the closing line gives the counts and the speeds."""
+    from llmpipe.cli import main
+    from llmpipe.generate import run_generate
+
+    _, run_dir, _ = first_run
+    assert main(["generate", "flowtest", "--artifacts-dir", str(run_dir.parent), "--prompt", "def main(",
+                 "--max-new-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("def main(") and "new tokens, time to first token" in out
+    runs = {v: run_generate(run_dir, "import json\n", 64, v, out=open(os.devnull, "w")) for v in ("torch", "fp32")}
+    assert runs["fp32"]["tokens"] == runs["torch"]["tokens"]
+    assert len(runs["fp32"]["tokens"]) == 64 or runs["fp32"]["tokens"][-1] == 0  # 64, or stopped at EOS
+    sampled = run_generate(run_dir, "import json\n", 12, "int8", temperature=0.9, top_k=20, top_p=0.9, seed=1,
+                           out=open(os.devnull, "w"))
+    again = run_generate(run_dir, "import json\n", 12, "int8", temperature=0.9, top_k=20, top_p=0.9, seed=1,
+                         out=open(os.devnull, "w"))
+    assert sampled["tokens"] == again["tokens"]  # seeded sampling repeats
+
+
+def test_generate_refuses_a_prompt_longer_than_the_context_in_one_line(first_run, capsys):
+    from llmpipe.cli import main
+
+    _, run_dir, _ = first_run
+    assert main(["generate", str(run_dir), "--prompt", "x = 1\n" * 400]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --prompt: ") and "holds 512; shorten the prompt" in err[0]
+
+
+def test_a_quality_gate_beyond_reach_fails_the_benchmark_then_the_relaxed_rerun_runs_only_it(first_run):
+    """Gate int8 beyond reach: `llmpipe run` ends with one error line naming the variant, the metric,
+    the value and the limit; relaxing it re-runs the benchmark stage only."""
+    from flows.train_to_deploy import train_to_deploy
+
+    config, run_dir, _ = first_run
+    train_to_deploy(config=config)  # up to date
+    int8 = json.loads((run_dir / "06_benchmark" / "results.json").read_text())["quality"]["variants"]["int8"]
+    assert int8["top1"] < 1.0 or int8["ppl_increase"] > 0  # the premise: int8 moves something
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_LEVEL"}
+    gate = ["--set", "benchmark.quality.int8.max_ppl_increase=0", "--set", "benchmark.quality.int8.min_top1=1"]
+    out = subprocess.run([LLMPIPE, "run", config, *gate], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith("error: benchmark: int8 fails its quality gate: "), errors
+    assert "benchmark.quality.int8." in errors[0]
+    results = train_to_deploy(config=config, overrides=["benchmark.quality.int8.min_top1=0.5"])
+    assert [s for s, r in results.items() if r["executed"]] == ["benchmark"]
