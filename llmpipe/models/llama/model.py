@@ -159,11 +159,14 @@ class Attention(nn.Module):
         true where a cache slot holds an earlier token; cache keys/values (B, Hkv, L, hd).
         Returns (out (B, C, d), (k, v) of the chunk, each (B, Hkv, C, hd)).
         """
-        q, k, v = self._qkv(x, cos, sin)  # (B, H, C, hd), (B, Hkv, C, hd) x2
-        B, H, C, hd = q.shape
-        Hkv = k.shape[1]
-        # NOTE: query heads are grouped per kv head ((B, Hkv, rep * C, hd), head h = kv * rep + r, as
-        # repeat_interleave orders them) so GQA needs no repeated copy of the cache.
+        B, C, _ = x.shape
+        H, Hkv, hd = self.wq.weight.shape[0] // self.head_dim, self.wk.weight.shape[0] // self.head_dim, self.head_dim
+        # NOTE: one projection for q, k and v (the exporter folds the weight concat into one initializer)
+        # and one RoPE for q and k: fewer, larger ops per decode step.
+        w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
+        qkv = F.linear(x, w).view(B, C, H + 2 * Hkv, hd).transpose(1, 2)  # (B, H + 2 Hkv, C, hd)
+        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (B, H, C, hd), (B, Hkv, C, hd) x2
         qg = q.reshape(B, Hkv, (H // Hkv) * C, hd) * hd ** -0.5
         old = qg @ cache[0].transpose(-1, -2)  # (B, Hkv, rep * C, L)
         new = qg @ k.transpose(-1, -2)  # (B, Hkv, rep * C, C)
@@ -189,6 +192,11 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def forward_fused(self, x: torch.Tensor) -> torch.Tensor:
+        """The same, gate and up in one projection (for exported decoders: one matmul fewer)."""
+        gate, up = F.linear(x, torch.cat([self.w1.weight, self.w3.weight])).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -286,7 +294,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers.values()):
             a, kv = layer.attention.forward_static(layer.attention_norm(h), cos, sin, valid, cache[i])
             h = h + a
-            h = h + layer.feed_forward(layer.ffn_norm(h))
+            h = h + layer.feed_forward.forward_fused(layer.ffn_norm(h))
             new.append(kv)
         return self.output(self.norm(h)), new
 
