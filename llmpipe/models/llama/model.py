@@ -271,7 +271,12 @@ class Transformer(nn.Module):
         P = past[0][0].shape[2] if past else 0
         cos, sin = self.rope_cos[P:P + T].to(h.dtype), self.rope_sin[P:P + T].to(h.dtype)
         q_pos = torch.arange(T, device=h.device) + P
-        mask = torch.arange(P + T, device=h.device)[None, :] <= q_pos[:, None]  # (T, P + T)
+        allowed = torch.arange(P + T, device=h.device)[None, :] <= q_pos[:, None]  # (T, P + T)
+        # NOTE: an additive float mask built once, not a bool one: exported, a bool mask becomes a
+        # Where over every layer's (B, H, T, P + T) scores plus a NaN guard; this is one Add per layer.
+        # fp16's lowest value instead of -inf, so the graph converted to fp16 stays finite.
+        mask = torch.zeros(allowed.shape, dtype=h.dtype, device=h.device).masked_fill(
+            ~allowed, torch.finfo(torch.float16).min)
         presents = []
         for i, layer in enumerate(self.layers.values()):
             h, kv = layer.forward_cached(h, cos, sin, mask, past[i] if past else None)
