@@ -390,8 +390,13 @@ def _gate(name: str, ppl: float, top1: float) -> Any:
     return cls
 
 
+# Defaults from measurement (the tiny demo, 16 validation sequences of 128 tokens): fp32 +0.000% /
+# top-1 1.0, fp16 +0.001% / 1.0, int8 (dynamic, per-tensor, 7-bit weights) +0.28% / 0.959. The
+# limits leave room for larger vocabularies and other text (fp16 10x, int8 ~20x the measured
+# increase, and a top-1 floor several points below); the OM model runs in fp16 on the NPU with
+# ATC's own kernels, so it gets a little more room than ORT fp16.
 Fp32Gate, Fp16Gate, Int8Gate, OmGate = (_gate("fp32", 0.001, 0.995), _gate("fp16", 0.01, 0.98),
-                                        _gate("int8", 0.10, 0.85), _gate("om", 0.02, 0.95))
+                                        _gate("int8", 0.05, 0.90), _gate("om", 0.02, 0.95))
 
 
 class QualitySection(Section):

@@ -396,7 +396,7 @@ def test_the_tiny_config_compiles_the_prefill_with_gears_and_the_decoder(tmp_pat
     cfg = config.load(tiny, [f"run.artifacts_dir={tmp_path}", f"convert_om.atc_path={FAKE_ATC}"])
     ctx = make_ctx(tmp_path, cfg=cfg)
     assert atc.run(ctx).status == "completed"
-    assert fake_om(ctx.work_dir / "model.om")["dynamic_dims"] == "16;32;64;128"
+    assert fake_om(ctx.work_dir / "model.om")["dynamic_dims"] == "32;64;128;256;512"
     assert fake_om(ctx.work_dir / "decoder.om")["input_shape"] == DECODER_SHAPE
 
 
