@@ -80,17 +80,52 @@ class TokenizerSection(Section):
     vocab_size: int = Res(8192, ge=260, le=1_000_000, description="BPE vocabulary size when training.")
     min_frequency: int = Res(2, ge=1, description="Minimum pair frequency for a BPE merge.")
     eos_token: str = Res("<|endoftext|>", description="Token inserted between documents.")
+    sample_docs: int | None = Res(None, ge=1, description="Train the BPE on a seeded sample of this many "
+                                  "documents (a corpus larger than memory); null: every document.")
+    sample_bytes: int | None = Res(None, ge=1, description="... or of documents up to this many bytes of "
+                                   "text in all; with sample_docs, whichever is reached first.")
+
+
+class MinHashSection(Section):
+    threshold: float = Res(0.8, gt=0, lt=1, description="Estimated Jaccard similarity of word 5-gram "
+                           "shingles above which a document is a near-duplicate of an earlier one.")
+    num_perm: int = Res(128, ge=16, le=1024, description="MinHash permutations (signature length).")
+    ngram: int = Res(5, ge=1, le=32, description="Words per shingle.")
+
+
+class FilterSection(Section):
+    min_chars: int = Res(1, ge=0, description="Drop documents shorter than this (characters, after stripping).")
+    max_chars: int | None = Res(None, ge=1, description="Drop documents longer than this; null: no limit.")
+    max_non_alnum_fraction: float | None = Res(None, gt=0, le=1, description="Drop documents whose share of "
+                                               "characters that are neither letters, digits nor whitespace "
+                                               "exceeds this; null: no limit (code is mostly symbols).")
 
 
 class DataSection(Section):
-    inputs: list[str] = Res(..., min_length=1, description="Globs of .txt/.jsonl (or any text) files. "
-                              "'{stdlib}' expands to this Python's standard library folder.")
-    text_field: str = Res("text", description="Field holding the text in .jsonl records.")
+    inputs: list[str] = Res(..., min_length=1, description="Globs of corpus files: .txt, .jsonl, .json, "
+                              ".parquet, .jsonl.gz/.jsonl.zst/.txt.gz/.txt.zst, or a folder saved by "
+                              "datasets' save_to_disk. '{stdlib}' expands to this Python's standard library folder.")
+    text_field: str = Res("text", description="Field (column) holding the text in records: jsonl, json, "
+                          "parquet, datasets folders.")
     seq_len: int = Res(256, ge=8, le=1_048_576, description="Tokens per training sample.")
     val_fraction: float = Res(0.01, gt=0.0, lt=0.5, description="Fraction of documents held out.")
     max_files: int | None = Res(None, ge=1, description="Read at most this many files (sorted order).")
-    max_file_bytes: int = Res(64 << 20, ge=1, description="Files larger than this are skipped (with reason).")
+    max_file_bytes: int = Res(64 << 20, ge=1, description="Whole-file documents (.txt, a .json array) larger "
+                              "than this are skipped (with reason); record files are streamed, whatever their size.")
     tokenizer: TokenizerSection = Res(default_factory=TokenizerSection)
+    dedup: Literal["none", "exact", "minhash"] = Res("exact", description="Drop documents whose normalised "
+                                                     "text repeats an earlier one (exact) or is a near-duplicate "
+                                                     "of one (minhash, see data.minhash); the first in corpus order stays.")
+    minhash: MinHashSection = Res(default_factory=MinHashSection)
+    filters: FilterSection = Res(default_factory=FilterSection)
+    unit_bytes: int = Op(256 << 20, ge=1 << 16, description="Work unit size: a large record file is split into "
+                         "units of about this many bytes (row groups, line-aligned byte ranges); the result does "
+                         "not depend on it.")
+    engine: Literal["local", "dask"] = Op("local", description="Where work units run: local (a process pool) or "
+                                          "dask (Prefect's DaskTaskRunner; a LocalCluster, or data.dask_address).")
+    workers: int | None = Op(None, ge=1, description="Processes (local) or LocalCluster workers (dask); null: all cores.")
+    dask_address: str | None = Op(None, description="An existing Dask scheduler, e.g. tcp://10.0.0.5:8786; null: "
+                                  "a LocalCluster on this machine.")
 
 
 class ModelSection(Section):
