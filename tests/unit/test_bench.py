@@ -180,7 +180,20 @@ def test_notes_and_om_status(stage):
     assert results["threads"] == 2 and results["variants"]["fp16"]["file"] == "variants/fp16/model.onnx"
 
 
-def test_om_status_without_ais_bench(stage, monkeypatch):
+@pytest.fixture
+def fresh_ais_bench(monkeypatch):
+    """No cached ais_bench module during the test (an earlier test may have imported the fake); the
+    ones the test imports are dropped after it, and monkeypatch puts the earlier ones back."""
+    cached = lambda: {m for m in sys.modules if m == "ais_bench" or m.startswith("ais_bench.")}
+    before = cached()
+    for name in before:
+        monkeypatch.delitem(sys.modules, name)
+    yield
+    for name in cached() - before:
+        sys.modules.pop(name, None)
+
+
+def test_om_status_without_ais_bench(stage, monkeypatch, fresh_ais_bench):
     ctx, _, _, inputs = stage
     om = ctx.work_dir.parent / "om-done"
     om.mkdir(exist_ok=True)
@@ -425,15 +438,13 @@ def _fake_om(path: Path, onnx_path: Path, input_shape: str, dynamic_dims: str | 
                     + "\n")
 
 
-def test_om_models_are_measured_through_ais_bench_where_it_exists(tmp_path, monkeypatch):
+def test_om_models_are_measured_through_ais_bench_where_it_exists(tmp_path, monkeypatch, fresh_ais_bench):
     """With a fake ais_bench (tests/fakes/ais_bench_pkg, running the ONNX the fake OM names in
     onnxruntime): the OM rows are measured, the static OM decoder only at its compiled batch, the
     prefill OM padded to its gears, and the OM hop of the chain is measured."""
     from llmpipe.export.onnx import static_inputs
 
     monkeypatch.syspath_prepend(str(FAKES / "ais_bench_pkg"))
-    for name in [m for m in sys.modules if m == "ais_bench" or m.startswith("ais_bench.")]:
-        monkeypatch.delitem(sys.modules, name)
     inputs = _inputs(tmp_path)
     a = FLAVORS["debug"]
     om = tmp_path / "om"
