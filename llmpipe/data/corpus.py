@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from llmpipe.data.errors import DataError
+from llmpipe.data.readers import is_datasets_folder
 from llmpipe.data.tokenizer import PIECE_CHARS, cut_point, split_text
 
 log = logging.getLogger("llmpipe.data")
@@ -157,12 +158,17 @@ class _Glob:
                     yield path
             elif child is _LOOP or child in stack:
                 self.loops.add(os.path.abspath(path))
+            elif is_datasets_folder(path):  # one input, matched by a final '**'; its files are not inputs
+                if last:
+                    yield path
             else:
                 yield from self._recurse(path, parts, i, stack + (child,))
 
 
 def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs:
-    """Files matched by `patterns` (recursive ** allowed), absolute, sorted, each file once.
+    """Files matched by `patterns` (recursive ** allowed), absolute, sorted, each file once. A folder
+    saved by datasets' save_to_disk (state.json + dataset_info.json) that a pattern matches is one
+    input, and '**' does not descend into it; other folders are not inputs.
 
     A file reached by several paths (symlinks, overlapping patterns) is kept once, under the first
     of its paths in sorted order. Raises DataError naming `data.inputs[i]` when a pattern matches
@@ -174,13 +180,16 @@ def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs
         expanded = expand_pattern(pattern)
         matched = False
         for p in walk(expanded):
-            if os.path.isfile(p):
+            if os.path.isfile(p) or is_datasets_folder(p):
                 matched = True
                 path, real = os.path.abspath(p), os.path.realpath(p)
                 by_real[real] = min(path, by_real.get(real, path))
         if not matched:
             shown = repr(pattern) if expanded == pattern else f"{pattern!r} (-> {expanded!r})"
             raise DataError(f"data.inputs[{i}]: {shown} matched no files")
+    folders = [real + os.sep for real in by_real if os.path.isdir(real)]
+    if folders:  # e.g. 'ds/**' matched the datasets folder ds and its own files: the folder is the input
+        by_real = {r: p for r, p in by_real.items() if not any(r.startswith(f) for f in folders)}
     files = [Path(p) for p in sorted(by_real.values())]
     if max_files is not None and len(files) > max_files:
         log.info("data.max_files=%d: reading %d of %d matched files", max_files, max_files, len(files))
@@ -371,9 +380,10 @@ def fingerprint_extra(cfg) -> dict[str, Any]:
     if cfg.data.tokenizer.path:
         files.append(Path(cfg.data.tokenizer.path))
     for p in files:
-        try:
-            st = p.stat()
-            h.update(f"{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-        except OSError:
-            h.update(f"{p}\0missing\n".encode())
+        for q in sorted(p.iterdir()) if p.is_dir() else [p]:  # a datasets folder: its files
+            try:
+                st = q.stat()
+                h.update(f"{q}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+            except OSError:
+                h.update(f"{q}\0missing\n".encode())
     return {"files": len(files), "stat_digest": h.hexdigest()}
