@@ -375,6 +375,8 @@ def _read_json(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) 
             return
         with open(unit.path, "rb") as f:
             yield from _json_array(f, unit.path, text_field, log)
+    except UnicodeDecodeError as err:
+        log.add("bad_record", unit.path, "file", f"not UTF-8 ({err.reason}); the rest of the array is not read")
     except OSError as err:
         log.add("skipped_file", unit.path, "file", f"unreadable ({err.strerror or err})")
 
@@ -422,7 +424,7 @@ class _Chars:
 
     def __init__(self, f: BinaryIO) -> None:
         self.f, self.buf, self.pos, self.eof = f, "", 0, False
-        self.decoder = codecs.getincrementaldecoder("utf-8-sig")(errors="replace")
+        self.decoder = codecs.getincrementaldecoder("utf-8-sig")()
 
     def more(self) -> bool:
         """Read on; each read is at least as long as what is pending, so a big record costs linear time."""

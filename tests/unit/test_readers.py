@@ -197,12 +197,16 @@ def test_a_json_array_is_streamed_across_blocks_and_a_broken_one_keeps_the_recor
     monkeypatch.setattr(readers, "READ_BYTES", 16)  # every record and number spans block ends
     path = tmp_path / "a.json"
     records = [{"text": t, "n": 123456789} for t in DOCS[:50]] + [{"text": "x" * 1000}]
-    path.write_text(" \ufeff"[1:] + json.dumps(records))
+    path.write_text("\ufeff" + json.dumps(records))  # a BOM, dropped
     assert _read(plan_units([path], 1))[0] == DOCS[:50] + ["x" * 1000]
     path.write_text(json.dumps(records)[:-300])
     docs, log = _read(plan_units([path], 1))
     assert docs == DOCS[:50] and log.counts == {"bad_record": 1}
     assert log.examples[0]["where"] == "record 50"
+    path.write_bytes(json.dumps(records[:3]).encode()[:-40] + b"\xff" + json.dumps(records[:3]).encode()[-40:])
+    docs, log = _read(plan_units([path], 1))
+    assert len(docs) < 3 and docs == DOCS[: len(docs)]  # the records before the block with the bad byte
+    assert log.examples[0]["reason"] == "not UTF-8 (invalid start byte); the rest of the array is not read"
 
 
 def test_txt_gz_and_txt_zst_are_one_document_each(tmp_path: Path) -> None:
@@ -211,7 +215,7 @@ def test_txt_gz_and_txt_zst_are_one_document_each(tmp_path: Path) -> None:
     (tmp_path / "b.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(text.encode()))
     units = plan_units([tmp_path / "a.txt.gz", tmp_path / "b.txt.zst"], 1)
     assert [u.fmt for u in units] == ["txt.gz", "txt.zst"]
-    assert _read(units) [0] == [text, text]
+    assert _read(units)[0] == [text, text]
     docs, log = _read(units, max_file_bytes=1000)  # checked on the decompressed size
     assert docs == [] and log.counts == {"skipped_file": 2}
     assert log.examples[0]["reason"] == "over data.max_file_bytes (more than 1000 bytes decompressed)"
