@@ -115,7 +115,8 @@ class DataSection(Section):
     tokenizer: TokenizerSection = Res(default_factory=TokenizerSection)
     dedup: Literal["none", "exact", "minhash"] = Res("exact", description="Drop documents whose normalised "
                                                      "text repeats an earlier one (exact) or is a near-duplicate "
-                                                     "of one (minhash, see data.minhash); the first in corpus order stays.")
+                                                     "of one (minhash, see data.minhash); the first in corpus "
+                                                     "order stays.")
     minhash: MinHashSection = Res(default_factory=MinHashSection)
     filters: FilterSection = Res(default_factory=FilterSection)
     unit_bytes: int = Op(256 << 20, ge=1 << 16, description="Work unit size: a large record file is split into "
@@ -123,7 +124,8 @@ class DataSection(Section):
                          "not depend on it.")
     engine: Literal["local", "dask"] = Op("local", description="Where work units run: local (a process pool) or "
                                           "dask (Prefect's DaskTaskRunner; a LocalCluster, or data.dask_address).")
-    workers: int | None = Op(None, ge=1, description="Processes (local) or LocalCluster workers (dask); null: all cores.")
+    workers: int | None = Op(None, ge=1, description="Processes (local) or LocalCluster workers (dask); "
+                             "null: all cores.")
     dask_address: str | None = Op(None, description="An existing Dask scheduler, e.g. tcp://10.0.0.5:8786; null: "
                                   "a LocalCluster on this machine.")
 

@@ -108,6 +108,9 @@ class StageContext:
     work_dir: Path  # the partial folder the stage writes into
     inputs: dict[str, tuple[Path, Manifest]]  # stage name -> (its folder, its manifest)
     fingerprint: str
+    # Where a stage's independent work items run (prepare_data's units): a callable
+    # (fn, items, on_done) -> None, e.g. a Prefect subflow's task runner; None: the stage's default.
+    executor: Callable | None = None
 
     def input_path(self, stage: str, output: str) -> Path:
         folder, manifest = self.inputs[stage]
@@ -274,8 +277,10 @@ def _record_operational_changes(spec: StageSpec, cfg: RunConfig, manifest: Manif
         manifest.write(stage_dir(cfg.run_dir(), spec.name))
 
 
-def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest, bool]:
-    """Run one stage unless it is already done. Returns (manifest, executed)."""
+def run_stage(name: str, cfg: RunConfig, force: bool = False,
+              executor: Callable | None = None) -> tuple[Manifest, bool]:
+    """Run one stage unless it is already done. Returns (manifest, executed). `executor`: see
+    StageContext.executor."""
     if name not in SPECS:
         raise ConfigError(f"unknown stage {name!r} (stages: {', '.join(STAGES)})")
     spec = SPECS[name]
@@ -298,7 +303,7 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False) -> tuple[Manifest,
         inputs[dep] = (stage_dir(run_dir, dep), manifest)
 
     with run_lock(run_dir):  # also removes a run folder it created, if the stage left it empty
-        return _execute(spec, cfg, fps, inputs), True
+        return _execute(spec, cfg, fps, inputs, executor), True
 
 
 def _injected_failure(name: str) -> None:
@@ -312,14 +317,14 @@ _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 
 
 def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
-             inputs: dict[str, tuple[Path, Manifest]]) -> Manifest:
+             inputs: dict[str, tuple[Path, Manifest]], executor: Callable | None = None) -> Manifest:
     name, run_dir = spec.name, cfg.run_dir()
     final = stage_dir(run_dir, name)
     partial = run_dir / f".{final.name}.partial"
     _prepare_partial(partial, fps[name], spec, run_dir)
     started, t0 = _now(), time.monotonic()
     log.info("%s: running (fingerprint %s)", name, fps[name][:12])
-    ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name])
+    ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name], executor)
     try:
         _injected_failure(name)
         result: StageResult = _resolve(spec.entry)(ctx)

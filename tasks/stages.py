@@ -20,7 +20,12 @@ from llmpipe import stages
 
 def _run(name: str, config: str, overrides: list[str], force: bool) -> dict[str, Any]:
     cfg = config_mod.load(config, overrides)
-    manifest, executed = stages.run_stage(name, cfg, force=force)
+    executor = None
+    if name == "prepare_data":  # its work units run on the task runner data.engine names
+        from tasks.units import executor as units_executor
+
+        executor = units_executor(cfg.data)
+    manifest, executed = stages.run_stage(name, cfg, force=force, executor=executor)
     folder = stages.stage_dir(cfg.run_dir(), name)
     if executed:
         lines = [f"**{name}**: {manifest.status} in {manifest.duration_s:.1f}s, fingerprint "

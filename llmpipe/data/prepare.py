@@ -1,19 +1,30 @@
-"""The prepare_data stage: text files -> tokenizer.json + train/val token shards + data_meta.json.
+"""The prepare_data stage: corpus files -> tokenizer.json + train/val token shards + data_meta.json.
 
-Two passes over the corpus keep memory flat whatever its size: the first trains the tokenizer
-(or, with data.tokenizer.path, only counts documents), the second tokenizes in parallel chunks
-and streams tokens into the shards. Documents are split train/val by a seeded shuffle of their
-indices, and each split keeps corpus order inside its shard (the training sampler shuffles).
+1. find the inputs and split them into work units (llmpipe.data.readers: txt, jsonl, json,
+   parquet, compressed streams, datasets folders; big record files into row-group or line-aligned
+   byte ranges);
+2. train the BPE tokenizer on the documents (or a seeded sample of them, data.tokenizer.sample_docs
+   / sample_bytes), or load data.tokenizer.path;
+3. tokenize every unit into its own shard (llmpipe.data.units.process_unit), on the engine the
+   caller gives (ctx.executor: Prefect's task runners, local processes or Dask) or a local process
+   pool; units already done by an interrupted attempt are reused;
+4. merge the units in corpus order: drop duplicates (data.dedup), split train/val by a seeded
+   shuffle of the kept documents, write the shards.
+
+The result depends on the corpus and the result-defining config only: not on the number of
+workers, the unit size or the order units finish in. Work units live in
+`artifacts/<run>/.01_prepare_data.units/` until the stage succeeds.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import os
 import shutil
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,20 +32,22 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
+from llmpipe import attempts
 from llmpipe.config import DataSection
-from llmpipe.data.corpus import Corpus, CorpusStats, Piece, find_inputs
+from llmpipe.data import units as unit_mod
+from llmpipe.data.corpus import find_inputs
 from llmpipe.data.errors import DataError
-from llmpipe.data.shards import ShardWriter, token_dtype
-from llmpipe.data.tokenizer import eos_id, load_tokenizer, train_tokenizer
+from llmpipe.data.shards import token_dtype
+from llmpipe.data.tokenizer import eos_id, load_tokenizer, split_text, train_tokenizer
 from llmpipe.manifest import write_json_atomic
-from llmpipe.stages import StageContext, StageResult
+from llmpipe.stages import StageContext, StageResult, stage_dir
 
 log = logging.getLogger("llmpipe.data")
 
 OUTPUTS = {"tokenizer": "tokenizer.json", "train_bin": "train.bin", "train_idx": "train.idx",
            "val_bin": "val.bin", "val_idx": "val.idx", "meta": "data_meta.json"}
-CHUNK_DOCS = 1024  # pieces (documents, parts of long ones) per encode_batch call; rayon uses all cores
-CHUNK_CHARS = 4 << 20  # ... or fewer, so a chunk's ids (Python ints) stay around 100 MB at most
+LOG_EVERY_S = 30.0  # progress lines when stderr is not a terminal
+FINGERPRINT = ".fingerprint"
 
 
 def _human(n: float) -> str:
@@ -50,110 +63,211 @@ def _show_progress() -> bool:
     return flag == "1" if flag in ("0", "1") else sys.stderr.isatty()
 
 
+class Progress:
+    """A tqdm bar on a terminal, else a log line every LOG_EVERY_S: done/total, rate, ETA."""
+
+    def __init__(self, desc: str, total: float, unit: str, rate_of: str = "tokens"):
+        self.desc, self.total, self.unit, self.rate_of = desc, total, unit, rate_of
+        self.done, self.count, self.t0, self.last = 0.0, 0.0, time.monotonic(), time.monotonic()
+        self.bar = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
+                        unit_scale=True) if _show_progress() else None
+
+    def update(self, n: float, count: float = 0) -> None:
+        self.done += n
+        self.count += count
+        elapsed = max(time.monotonic() - self.t0, 1e-9)
+        if self.bar is not None:
+            self.bar.update(n)
+            if count:
+                self.bar.set_postfix_str(f"{_human(self.count)} {self.rate_of}, {_human(self.count / elapsed)}/s",
+                                         refresh=False)
+        elif time.monotonic() - self.last >= LOG_EVERY_S:
+            self.last = time.monotonic()
+            eta = (self.total - self.done) * elapsed / self.done if self.done else float("nan")
+            log.info("%s: %s/%s %s, %s %s (%s/s), ETA %.0fs", self.desc, _human(self.done), _human(self.total),
+                     self.unit, _human(self.count), self.rate_of, _human(self.count / elapsed), eta)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     """Mask over documents, True = validation: max(1, round(fraction * n)) of them, by a seeded shuffle."""
     if n_docs < 2:
-        raise DataError(f"data.inputs: the corpus has {n_docs} document; need at least 2 "
-                         "(one goes to validation)")
+        raise DataError(f"data.inputs: the corpus has {n_docs} usable document(s) after filters and dedup; "
+                         "need at least 2 (one goes to validation)")
     n_val = max(1, round(val_fraction * n_docs))
     is_val = np.zeros(n_docs, dtype=bool)
     is_val[np.random.default_rng(seed).permutation(n_docs)[:n_val]] = True
     return is_val
 
 
-def _chunks(pieces: Iterable[Piece], max_pieces: int = CHUNK_DOCS,
-            max_chars: int = CHUNK_CHARS) -> Iterator[list[Piece]]:
-    chunk: list[Piece] = []
-    chars = 0
-    for piece in pieces:
-        chunk.append(piece)
-        chars += len(piece.text)
-        if len(chunk) >= max_pieces or chars >= max_chars:
-            yield chunk
-            chunk, chars = [], 0
-    if chunk:
-        yield chunk
+# --------------------------------------------------------------------------- the tokenizer
 
 
-def _changed(done: int, n_docs: int) -> DataError:
-    how = f"more than the {n_docs}" if done > n_docs else f"{done} documents, not the {n_docs}"
-    return DataError(f"data.inputs: the corpus changed while being read ({how} documents of the first pass)")
+def _documents(units: list, data: DataSection) -> Iterator[str]:
+    """Every document that passes the filters, in corpus order (the tokenizer's training text)."""
+    from llmpipe.data.dedup import Filters
+    from llmpipe.data.readers import ErrorLog, read_unit
+
+    filters = Filters.from_config(data.filters)
+    errors = ErrorLog()  # the units count errors again when they tokenize; not reported twice
+    progress = Progress("read for the tokenizer", sum(u.size for u in units), "B", "documents")
+    try:
+        for unit in units:
+            for text in read_unit(unit, data.text_field, data.max_file_bytes, errors):
+                if not filters.kind(text):
+                    progress.update(0, 1)
+                    yield text
+            progress.update(unit.size)
+    finally:
+        progress.close()
 
 
-def tokenize_to_shards(pieces: Iterable[Piece], tok: Tokenizer, eos: int, is_val: np.ndarray, out_dir: Path,
-                       dtype: np.dtype) -> dict[str, int]:
-    """Encode documents, given as pieces (EOS after each document's last), into out_dir/train.bin|idx
-    and val.bin|idx; returns token counts. A long document's pieces are encoded separately and their
-    ids joined (see tokenizer.cut_point for why that equals encoding it whole)."""
-    # NOTE: the literal eos text inside a document stays plain text; only our appended id separates documents.
-    tok.encode_special_tokens = True
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)  # _fast skips offsets: ~3x quicker
-    n_docs, doc = len(is_val), -1
-    with ShardWriter(out_dir / OUTPUTS["train_bin"], dtype) as train, \
-            ShardWriter(out_dir / OUTPUTS["val_bin"], dtype) as val, \
-            tqdm(total=n_docs, unit="doc", desc="tokenize", file=sys.stderr, disable=not _show_progress(),
-                 mininterval=0.5, dynamic_ncols=True) as bar:
-        for chunk in _chunks(pieces):
-            splits: tuple[list[list[int]], list[list[int]]] = ([], [])
-            continues = [False, False]  # a split's first list in this chunk goes on with an earlier document
-            for piece, enc in zip(chunk, encode([p.text for p in chunk], add_special_tokens=False)):
-                doc += piece.first
-                if doc >= n_docs:
-                    raise _changed(doc + 1, n_docs)
-                held_out = int(is_val[doc])
-                ids = enc.ids
-                if piece.last:
-                    ids.append(eos)
-                docs = splits[held_out]
-                if not piece.first and docs:  # the same document's previous piece is docs[-1]
-                    docs[-1].extend(ids)
-                else:
-                    continues[held_out] |= not piece.first
-                    docs.append(ids)
-            train.add_documents(splits[0], continues=continues[0])
-            val.add_documents(splits[1], continues=continues[1])
-            bar.update(sum(p.first for p in chunk))
-            bar.set_postfix_str(f"{_human(train.n_tokens + val.n_tokens)} tokens", refresh=False)
-    if doc + 1 != n_docs:
-        raise _changed(doc + 1, n_docs)
-    return {"train_tokens": train.n_tokens, "val_tokens": val.n_tokens}
+def sample_documents(docs: Iterator[str], n_docs: int | None, n_bytes: int | None, seed: int) -> list[str]:
+    """A seeded uniform sample without replacement (bottom-k by a random priority per document):
+    at most `n_docs` documents and at most `n_bytes` bytes of text in all, in corpus order."""
+    rng = np.random.default_rng(seed)
+    heap: list[tuple[float, int, str, int]] = []  # (-priority, index, text, bytes): the largest priority on top
+    total = 0
+    for i, text in enumerate(docs):
+        size = len(text.encode("utf-8", "surrogatepass"))
+        priority = float(rng.random())
+        heapq.heappush(heap, (-priority, i, text, size))
+        total += size
+        while heap and ((n_docs is not None and len(heap) > n_docs) or (n_bytes is not None and total > n_bytes)):
+            total -= heapq.heappop(heap)[3]
+    return [text for _, _, text, _ in sorted(heap, key=lambda e: e[1])]
 
 
-def _tokenizer(corpus: Corpus, data: DataSection, out: Path) -> tuple[Tokenizer, int, float]:
-    """Train (the first pass over the corpus) or load the tokenizer; save it to `out`.
-
-    Returns (tokenizer, eos id, seconds spent training)."""
+def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int) -> tuple[Tokenizer, int, dict]:
+    """Train (or load) the tokenizer, save it to `out`; an interrupted attempt's (in the units
+    cache) is reused, since its units were tokenized with it. Returns (tokenizer, eos id, info)."""
     cfg = data.tokenizer
-    if cfg.path is None:
-        t0 = time.monotonic()
-        tok = train_tokenizer(corpus.texts(), cfg.vocab_size, cfg.min_frequency, cfg.eos_token)
-        seconds = time.monotonic() - t0
-        tok.save(str(out))
-        return tok, eos_id(tok, cfg.eos_token), seconds
-    path = Path(cfg.path).expanduser()
-    try:
-        tok = load_tokenizer(path)  # its message starts with the path
-    except DataError as err:
-        raise DataError(f"data.tokenizer.path: {err}") from None
-    try:
-        eos = eos_id(tok, cfg.eos_token)
-    except DataError as err:
-        raise DataError(f"data.tokenizer.path: {path}: {err}") from None
-    shutil.copyfile(path, out)
-    for _ in corpus.pieces():  # first pass only counts documents, so the split is known before tokenizing
-        pass
-    return tok, eos, 0.0
+    cached = cache / OUTPUTS["tokenizer"]
+    if cfg.path is not None:
+        path = Path(cfg.path).expanduser()
+        try:
+            tok = load_tokenizer(path)  # its message starts with the path
+        except DataError as err:
+            raise DataError(f"data.tokenizer.path: {err}") from None
+        try:
+            eos = eos_id(tok, cfg.eos_token)
+        except DataError as err:
+            raise DataError(f"data.tokenizer.path: {path}: {err}") from None
+        shutil.copyfile(path, out)
+        return tok, eos, {"trained": False}
+    if cached.is_file():
+        log.info("tokenizer: reusing the one trained by the interrupted attempt (%s)", cached)
+        shutil.copyfile(cached, out)
+        tok = load_tokenizer(out)
+        return tok, eos_id(tok, cfg.eos_token), {"trained": True, "reused": True}
+    t0 = time.monotonic()
+    docs: Iterator[str] | list[str] = _documents(units, data)
+    info: dict[str, Any] = {"trained": True}
+    if cfg.sample_docs is not None or cfg.sample_bytes is not None:
+        docs = sample_documents(docs, cfg.sample_docs, cfg.sample_bytes, seed)
+        info.update(sample_documents=len(docs), sample_bytes=sum(len(d.encode("utf-8", "surrogatepass"))
+                                                                  for d in docs))
+        log.info("tokenizer: training on a seeded sample of %d documents (%s bytes)", len(docs),
+                 _human(info["sample_bytes"]))
+    # NOTE: in pieces cut at whitespace (tokenizer.split_text): the same words for BPE, bounded memory
+    tok = train_tokenizer((p for d in docs for p in split_text(d)), cfg.vocab_size, cfg.min_frequency,
+                          cfg.eos_token)
+    info["seconds"] = round(time.monotonic() - t0, 3)
+    tok.save(str(out))
+    shutil.copyfile(out, cached)
+    return tok, eos_id(tok, cfg.eos_token), info
 
 
-def _check_corpus(stats: CorpusStats, n_files: int) -> None:
-    if stats.documents == 0:
-        examples = "; ".join(f"{s['path']}: {s['reason']}" for s in stats.skipped[:3]) or "no documents"
-        raise DataError(f"data.inputs: no usable documents in {n_files} file(s) (e.g. {examples})")
-    if stats.files_skipped:
-        shown = "; ".join(f"{Path(s['path']).name}: {s['reason']}" for s in stats.skipped[:3])
-        log.warning("skipped %d file(s), e.g. %s", stats.files_skipped, shown)
-    if stats.bad_lines:
-        log.warning("%d bad .jsonl line(s), e.g. %s", stats.bad_lines, stats.bad_line_examples[0])
+# --------------------------------------------------------------------------- units
+
+
+def units_cache(ctx: StageContext) -> Path:
+    """`<run>/.01_prepare_data.units/`, for this fingerprint: another fingerprint's units (paid-for
+    tokenization) are moved to superseded/ like any replaced attempt, never deleted."""
+    folder = ctx.run_dir / f".{stage_dir(ctx.run_dir, 'prepare_data').name}.units"
+    marker = folder / FINGERPRINT
+    if folder.exists():
+        old = marker.read_text().strip() if marker.is_file() else ""
+        if old == ctx.fingerprint:
+            return folder
+        if any(p.name != FINGERPRINT for p in folder.iterdir()):
+            attempts.supersede(folder, ctx.run_dir, stage_dir(ctx.run_dir, "prepare_data").name, old or "0" * 12)
+        else:
+            shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    marker.write_text(ctx.fingerprint + "\n")
+    return folder
+
+
+def _spec(data: DataSection, tok_path: Path, eos: int, dtype: np.dtype, fingerprint: str) -> dict[str, Any]:
+    return {"tokenizer": str(tok_path), "eos": eos, "dtype": dtype.name, "text_field": data.text_field,
+            "max_file_bytes": data.max_file_bytes, "filters": data.filters.model_dump(), "dedup": data.dedup,
+            "minhash": {"num_perm": data.minhash.num_perm, "ngram": data.minhash.ngram},
+            "fingerprint": fingerprint}
+
+
+def _fail_after() -> int | None:
+    """Test hook, off by default: LLMPIPE_FAIL_AFTER_UNITS=N interrupts the stage after N new units."""
+    value = os.environ.get("LLMPIPE_FAIL_AFTER_UNITS", "")
+    return int(value) if value.isdigit() else None
+
+
+def tokenize_units(units: list, spec: dict, cache: Path, executor, workers: int) -> list[dict]:
+    """Every unit's meta, in corpus order; runs the units not done yet."""
+    metas = {u.index: m for u in units if (m := unit_mod.done(cache, u.index, spec["fingerprint"])) is not None}
+    todo = [u for u in units if u.index not in metas]
+    if metas:
+        log.info("prepare_data: resuming, %d of %d work units already done", len(metas), len(units))
+    progress = Progress("tokenize", sum(u.size for u in todo), "B")
+    stop_after = _fail_after()
+
+    def on_done(meta: dict) -> None:
+        metas[meta["unit"]["index"]] = meta
+        progress.update(meta["unit"]["size"], meta["tokens"])
+        if stop_after is not None and len(metas) - (len(units) - len(todo)) >= stop_after:
+            # NOTE: not a DataError: an interruption keeps the units done (a DataError is a
+            # deterministic input problem, whose units cache is dropped).
+            raise InterruptedError(f"prepare_data: interrupted after {stop_after} work units "
+                                   "(LLMPIPE_FAIL_AFTER_UNITS, a test hook)")
+
+    items = [{"unit": u.to_dict(), "units": str(cache), "spec": spec} for u in todo]
+    t0 = time.monotonic()
+    try:
+        (executor or unit_mod.local_executor(workers))(unit_mod.process_unit, items, on_done)
+    finally:
+        progress.close()
+    seconds = time.monotonic() - t0
+    tokens = sum(metas[u.index]["tokens"] for u in todo)
+    log.info("tokenized %d work units: %s tokens in %.1fs (%s tokens/s)", len(todo), _human(tokens), seconds,
+             _human(tokens / max(seconds, 1e-9)))
+    return [metas[u.index] for u in units]
+
+
+def _totals(metas: list[dict]) -> tuple[dict[str, int], dict]:
+    """Summed counts of the units and their read errors, merged in corpus order."""
+    from llmpipe.data.readers import ErrorLog
+
+    counts: dict[str, int] = {}
+    errors = ErrorLog()
+    for m in metas:
+        for key, value in m.items():
+            if key in ("documents_read", "bytes_read", "documents", "tokens") or key.startswith("filtered_"):
+                counts[key] = counts.get(key, 0) + value
+        errors.merge(m["errors"])
+    return counts, errors.to_dict()
+
+
+def _check_corpus(counts: dict[str, int], errors: dict, n_files: int) -> None:
+    if counts.get("documents", 0) == 0:
+        examples = "; ".join(f"{e['path']}: {e['reason']}" for e in errors.get("examples", [])[:3]) or "no documents"
+        raise DataError(f"data.inputs: no usable documents in {n_files} input(s) (e.g. {examples})")
+    if errors.get("total"):
+        first = errors["examples"][0]
+        log.warning("data: %d read problem(s) (%s), e.g. %s: %s (all in data_meta.json)", errors["total"],
+                    ", ".join(f"{k} {v}" for k, v in errors["counts"].items()), first["path"], first["reason"])
 
 
 def _check_samples(meta: dict[str, Any], data: DataSection) -> None:
@@ -168,46 +282,78 @@ def _check_samples(meta: dict[str, Any], data: DataSection) -> None:
 
 
 def run(ctx: StageContext) -> StageResult:
-    """prepare_data: read data.inputs, train or load the tokenizer, write the train/val shards."""
-    data, out = ctx.cfg.data, ctx.work_dir
+    """prepare_data: read data.inputs, train or load the tokenizer, tokenize the work units, merge.
+    An input problem (DataError) leaves nothing behind; any other failure (an interruption, a lost
+    worker) keeps the units done for the next attempt."""
+    try:
+        return _run(ctx)
+    except DataError:
+        folder = ctx.run_dir / f".{stage_dir(ctx.run_dir, 'prepare_data').name}.units"
+        marker = folder / FINGERPRINT
+        if marker.is_file() and marker.read_text().strip() == ctx.fingerprint:
+            shutil.rmtree(folder, ignore_errors=True)
+        raise
+
+
+def _run(ctx: StageContext) -> StageResult:
+    from llmpipe.data.dedup import Deduper
+    from llmpipe.data.readers import plan_units
+
+    data, out, seed = ctx.cfg.data, ctx.work_dir, ctx.cfg.run.seed
     inputs = find_inputs(data.inputs, data.max_files)
     if inputs.symlink_loops:
         log.warning("data.inputs: %d symlink loop(s) not followed (each file is read once), e.g. %s",
                     len(inputs.symlink_loops), inputs.symlink_loops[0])
-    corpus = Corpus(inputs.files, data.text_field, data.max_file_bytes)
-    tok, eos, train_s = _tokenizer(corpus, data, out / OUTPUTS["tokenizer"])
-    stats = corpus.stats  # from the first pass
-    _check_corpus(stats, len(corpus.files))
+    units = plan_units(inputs.files, data.unit_bytes)
+    cache = units_cache(ctx)
+    workers = data.workers or os.cpu_count() or 1
+    log.info("prepare_data: %d input(s), %s bytes, %d work unit(s), engine %s", len(inputs.files),
+             _human(sum(u.size for u in units)), len(units), data.engine if ctx.executor else f"local x{workers}")
+    tok, eos, tok_info = _tokenizer(units, data, out / OUTPUTS["tokenizer"], cache, seed)
     vocab = tok.get_vocab_size()
-    trained = data.tokenizer.path is None
-    how = f"trained BPE vocab {vocab} in {train_s:.1f}s" if trained else f"loaded vocab {vocab}"
-    log.info("read %d files, %.1f MB, %d documents; %s",
-             stats.files_read, stats.bytes / 1e6, stats.documents, how)
-
-    is_val = split_documents(stats.documents, data.val_fraction, ctx.cfg.run.seed)
     dtype = token_dtype(vocab)
+    spec = _spec(data, cache / OUTPUTS["tokenizer"] if tok_info.get("trained") else out / OUTPUTS["tokenizer"],
+                 eos, dtype, ctx.fingerprint)
+    if not tok_info.get("trained"):
+        shutil.copyfile(out / OUTPUTS["tokenizer"], cache / OUTPUTS["tokenizer"])
+        spec["tokenizer"] = str(cache / OUTPUTS["tokenizer"])
     t0 = time.monotonic()
-    counts = tokenize_to_shards(corpus.pieces(), tok, eos, is_val, out, dtype)
+    metas = tokenize_units(units, spec, cache, ctx.executor, workers)
     tok_s = time.monotonic() - t0
-    tokens = counts["train_tokens"] + counts["val_tokens"]
-
+    counts, errors = _totals(metas)
+    _check_corpus(counts, errors, len(inputs.files))
+    deduper = Deduper(data.dedup, data.minhash.threshold, data.minhash.num_perm)
+    merged = unit_mod.merge(cache, metas, out, (OUTPUTS["train_bin"], OUTPUTS["val_bin"]), dtype,
+                            lambda n: split_documents(n, data.val_fraction, seed), data.dedup, deduper)
+    tokens = merged["train_tokens"] + merged["val_tokens"]
+    filtered = {k.removeprefix("filtered_"): v for k, v in counts.items() if k.startswith("filtered_")}
     meta = {"vocab_size": vocab, "eos_id": eos, "eos_token": data.tokenizer.eos_token, "dtype": dtype.name,
-            "seq_len": data.seq_len, **counts, "symlink_loops": len(inputs.symlink_loops),
-            "train_samples": max(0, (counts["train_tokens"] - 1) // data.seq_len),
-            "val_samples": max(0, (counts["val_tokens"] - 1) // data.seq_len)}
+            "seq_len": data.seq_len, "train_tokens": merged["train_tokens"], "val_tokens": merged["val_tokens"],
+            "train_samples": max(0, (merged["train_tokens"] - 1) // data.seq_len),
+            "val_samples": max(0, (merged["val_tokens"] - 1) // data.seq_len),
+            "inputs": len(inputs.files), "units": len(units), "symlink_loops": len(inputs.symlink_loops),
+            "documents_read": counts.get("documents_read", 0), "filtered": filtered,
+            "dedup": data.dedup, "duplicates_removed": merged["duplicates_removed"],
+            "documents": merged["documents_kept"], "train_documents": merged["train_documents"],
+            "val_documents": merged["val_documents"], "read_errors": errors,
+            # NOTE: no timings in data_meta.json: its bytes must depend on the corpus and config only
+            "tokenizer": {k: v for k, v in tok_info.items() if k not in ("seconds", "reused")}}
     _check_samples(meta, data)
     write_json_atomic(out / OUTPUTS["meta"], meta)
-    log.info("tokenized %s tokens in %.1fs (%s tokens/s); train %d samples, val %d samples of %d tokens",
-             _human(tokens), tok_s, _human(tokens / max(tok_s, 1e-9)), meta["train_samples"],
+    log.info("prepare_data: %d documents read, %d filtered, %d duplicates removed, %d kept; %s tokens; "
+             "train %d samples, val %d samples of %d tokens", meta["documents_read"], sum(filtered.values()),
+             merged["duplicates_removed"], merged["documents_kept"], _human(tokens), meta["train_samples"],
              meta["val_samples"], data.seq_len)
-
-    metrics = {
-        **stats.to_dict(), "symlink_loops": len(inputs.symlink_loops),
-        "train_documents": int((~is_val).sum()), "val_documents": int(is_val.sum()), "tokens": tokens,
-        **{k: meta[k] for k in ("train_tokens", "val_tokens", "train_samples", "val_samples",
-                                "vocab_size", "dtype")},
-        "bytes_per_token": round(stats.bytes / max(tokens, 1), 3),
-        "tokenizer_trained": trained, "tokenizer_train_s": round(train_s, 3),
-        "tokenize_s": round(tok_s, 3), "tokens_per_sec": round(tokens / max(tok_s, 1e-9)),
-    }
+    metrics = {k: meta[k] for k in ("inputs", "units", "documents_read", "filtered", "duplicates_removed",
+                                    "documents", "train_documents", "val_documents", "train_tokens", "val_tokens",
+                                    "train_samples", "val_samples", "vocab_size", "dtype", "symlink_loops")}
+    skipped = errors.get("counts", {}).get("skipped_file", 0)
+    metrics.update(files_read=len(inputs.files) - skipped, files_skipped=skipped, tokens=tokens,
+                   bytes_read=counts.get("bytes_read", 0), read_errors=errors.get("total", 0),
+                   read_error_counts=errors.get("counts", {}), tokenizer_trained=bool(tok_info.get("trained")),
+                   tokenizer_train_s=tok_info.get("seconds", 0.0), tokenize_s=round(tok_s, 3),
+                   tokens_per_sec=round(tokens / max(tok_s, 1e-9)),
+                   bytes_per_token=round(counts.get("bytes_read", 0) / max(tokens, 1), 3),
+                   workers=workers if ctx.executor is None else None)
+    shutil.rmtree(cache, ignore_errors=True)  # merged into the shards written above
     return StageResult(outputs=dict(OUTPUTS), metrics=metrics)

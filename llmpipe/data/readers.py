@@ -240,8 +240,8 @@ def _read_txt_stream(unit: Unit, text_field: str, max_file_bytes: int, log: Erro
 
 def _whole_text(f: BinaryIO, limit: int, what: str = "") -> tuple[str | None, str]:
     """(text, "") or (None, why not): more than `limit` bytes, binary, not UTF-8. Reasons as in
-    corpus._check_file; a leading BOM (an encoding marker, not text) is dropped; a blank file is a
-    document (the filters count it as too short)."""
+    corpus._check_file; a leading BOM (an encoding marker, not text) is dropped; a blank file is
+    "empty" (a file that holds nothing is an input problem, reported as one)."""
     decoder = codecs.getincrementaldecoder("utf-8")()
     parts, offset = [], 0
     while block := f.read(READ_BYTES):
@@ -258,7 +258,8 @@ def _whole_text(f: BinaryIO, limit: int, what: str = "") -> tuple[str | None, st
         decoder.decode(b"", final=True)
     except UnicodeDecodeError as err:  # the file ends inside a multi-byte character
         return None, f"not UTF-8 (invalid byte at offset {offset - len(err.object) + err.start})"
-    return "".join(parts).removeprefix("\ufeff"), ""
+    text = "".join(parts).removeprefix("\ufeff")
+    return (text, "") if text.strip() else (None, "empty")
 
 
 def _read_jsonl(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:

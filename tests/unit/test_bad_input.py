@@ -18,7 +18,7 @@ def _base(tmp_path: Path) -> dict:
         (corpus / f"ok{i}.txt").write_text("fine text with words in it. " * 50)
     return {"run": {"name": "bad", "artifacts_dir": str(tmp_path / "artifacts")},
             "data": {"inputs": [str(corpus / "*.txt")], "seq_len": 16, "val_fraction": 0.25,
-                     "tokenizer": {"vocab_size": 280}}}
+                     "tokenizer": {"vocab_size": 280}, "dedup": "none"}}  # identical files
 
 
 def _run(tmp_path: Path, tree, capsys, stage: str = "prepare_data", raw: str | None = None) -> tuple[int, str]:

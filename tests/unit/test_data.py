@@ -265,11 +265,11 @@ def test_tokenizer_path_errors(tmp_path: Path, corpus: Path) -> None:
 def test_empty_corpus_and_too_few_documents(tmp_path: Path) -> None:
     (tmp_path / "a.txt").write_text("")
     (tmp_path / "b.txt").write_bytes(b"\x00\x01")
-    no_docs = r"^data\.inputs: no usable documents in 2 file\(s\) \(e\.g\. .*a\.txt: empty"
+    no_docs = r"^data\.inputs: no usable documents in 2 input\(s\) \(e\.g\. .*a\.txt: empty"
     with pytest.raises(DataError, match=no_docs):
         _run(tmp_path, _data(tmp_path, inputs=[str(tmp_path / "*.txt")]), work="a")
     (tmp_path / "a.txt").write_text(_text(random.Random(0), 200))
-    with pytest.raises(DataError, match="has 1 document; need at least 2"):
+    with pytest.raises(DataError, match=r"has 1 usable document\(s\) after filters and dedup; need at least 2"):
         _run(tmp_path, _data(tmp_path, inputs=[str(tmp_path / "*.txt")]), work="b")
 
 
