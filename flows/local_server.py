@@ -119,6 +119,10 @@ def prefect_api(timeout_s: float | None = None) -> Iterator[str | None]:
     else:
         raise ServerError(f"the local Prefect server exited at start (exit code {proc.returncode}); "
                           f"see {log_path}")
+    # NOTE: the environment too: processes started in the body (Dask workers running prepare_data's
+    # units) read their settings from it, and would otherwise start ephemeral servers of their own.
+    previous = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = url
     try:
         with temporary_settings(updates={PREFECT_API_URL: url}):
             try:
@@ -126,6 +130,10 @@ def prefect_api(timeout_s: float | None = None) -> Iterator[str | None]:
             finally:
                 _drain_to_server()
     finally:
+        if previous is None:
+            os.environ.pop("PREFECT_API_URL", None)
+        else:
+            os.environ["PREFECT_API_URL"] = previous
         stop(proc)
 
 
