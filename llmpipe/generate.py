@@ -105,6 +105,7 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
 def _om_engine(run_dir: Path, args):
     from llmpipe.bench import ais
     from llmpipe.bench.decode import StaticEngine
+    from llmpipe.export.atc import prefill_gears
 
     reason = ais.unavailable_reason()
     if reason:
@@ -112,7 +113,7 @@ def _om_engine(run_dir: Path, args):
     folder, manifest = _stage(run_dir, "convert_om", "decoder_om", "convert_om must have compiled both graphs")
     export_folder, export_manifest = _stage(run_dir, "export_onnx", "decoder_static", "")
     cfg = manifest.config.get("convert_om", {})
-    gears = [int(g.split(",")[0]) for g in (cfg.get("dynamic_dims") or "").split(";") if g.strip()]
+    gears = prefill_gears(cfg.get("dynamic_dims"))
     length = int(export_manifest.metrics.get("static_decoder_cache_len") or 0)
     device_id = int(manifest.config.get("benchmark", {}).get("device_id", 0))
     prefill = ais.OmSession(manifest.path(folder, "om"), device_id=device_id, dynamic=bool(gears))

@@ -366,12 +366,13 @@ def om_models(ctx: StageContext) -> tuple[Any, str | None]:
         return None, "convert_om compiled no decoder.om (convert_om.decoder or export.static_decoder is false)"
     from llmpipe.bench import ais
     from llmpipe.bench.deploy import OmModels
+    from llmpipe.export.atc import prefill_gears
 
     reason = ais.unavailable_reason()
     if reason:
         return None, reason
     section = ctx.cfg.convert_om
-    gears = [int(g.split(",")[-1]) for g in (section.dynamic_dims or "").split(";") if g.strip()]
+    gears = prefill_gears(section.dynamic_dims)
     return OmModels(manifest.path(folder, "om"), manifest.path(folder, "decoder_om"), gears,
                     section.decode_batch, ctx.cfg.benchmark.device_id), None
 

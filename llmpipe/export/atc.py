@@ -91,6 +91,12 @@ def check_dynamic_dims(input_shape: str | None, dynamic_dims: str | None) -> Non
             raise ValueError(f"convert_om.dynamic_dims: gear {i} ({gear!r}) must be positive integers")
 
 
+def prefill_gears(dynamic_dims: str | None) -> list[int]:
+    """The sequence lengths a prefill OM was compiled for: the last value of each --dynamic_dims gear
+    (input_ids:1,-1 has one -1 dim, the sequence); [] for a static model."""
+    return [int(g.split(",")[-1]) for g in (dynamic_dims or "").split(";") if g.strip()]
+
+
 def build_argv(section: ConvertOmSection, atc: str, onnx_path: str | os.PathLike,
                output_prefix: str | os.PathLike) -> list[str]:
     """ATC's argv for `section`: ONNX at `onnx_path` -> `<output_prefix>.om`. Pure; raises ValueError."""
