@@ -10,6 +10,7 @@ import os
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,7 @@ import yaml
 
 from llmpipe import config as config_mod
 from llmpipe import stages
+from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageError
 from llmpipe.train.launch import torchrun_argv
 from tests.integration.test_faults import _config, _procs_matching, _wait_for_step
@@ -90,6 +92,17 @@ def _agent(cfg_path: Path, data: Path, out: Path, node_rank: int, endpoint: str,
     return subprocess.Popen(argv, stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
+def _wait_for_checkpoint(root: Path, step: int, timeout: float = 120) -> None:
+    """Wait until the newest checkpoint that verifies is at `step` (a guard, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        newest = ckpt.latest_valid(root) if root.is_dir() else None
+        if newest is not None and ckpt.read_meta(newest)["step"] >= step:
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"no verified checkpoint at step {step} under {root} in {timeout}s")
+
+
 def test_two_node_agents_train_together_lose_one_then_one_node_resumes(tmp_path):
     cfg = _short(tmp_path, "nodes", max_steps=8, nproc_per_node=1, nodes=2,
                  rdzv_endpoint=f"127.0.0.1:{_free_port()}")
@@ -101,6 +114,7 @@ def test_two_node_agents_train_together_lose_one_then_one_node_resumes(tmp_path)
     nodes = [_agent(cfg_path, data, out, i, cfg.train.rdzv_endpoint, tmp_path / f"node{i}.log") for i in (0, 1)]
     try:
         _wait_for_step(out / "metrics.jsonl", 4)  # then rank 0 waits for rank 1, which hangs in step 5
+        _wait_for_checkpoint(out / "checkpoints", 4)  # metrics come before the step-4 checkpoint is complete
         rank1 = _rank_pid(out, 0, global_rank=1)
         assert rank1 is not None
         # the node running rank 1 (c10d rendezvous assigns ranks by arrival) is lost: its agent and its rank
