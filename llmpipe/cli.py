@@ -10,6 +10,8 @@
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
     llmpipe plan CONFIG --deploy [--soc S] [--memory-bandwidth-gbs B] [--memory-gib M]     (inference sizing)
+    llmpipe tune buckets CONFIG [--values 1,5,10,25,50,100] [--steps N] [--nproc N] [--write] [--set k=v ...]
+                     (short DDP trainings per bucket_cap_mb: tokens/s, exposed communication, the plan's estimate)
 
 User errors print one line, `error: ...`, and exit with status 2 (config) or 1 (a stage failed).
 """
@@ -101,6 +103,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0)")
     gen.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
     gen.add_argument("--artifacts-dir", default="artifacts")
+
+    tune = sub.add_parser("tune", help="measure a setting by short trainings and pick the fastest")
+    tune_sub = tune.add_subparsers(dest="tune", required=True)
+    buckets = tune_sub.add_parser("buckets", help="DDP's bucket_cap_mb: train a few steps per value under the "
+                                  "profiler into artifacts/<run>/tune/, print tokens/s, exposed communication "
+                                  "and the plan's gradient-sync estimate, mark the fastest")
+    buckets.add_argument("config")
+    buckets.add_argument("--values", default="1,5,10,25,50,100", help="bucket_cap_mb values to try, MB, "
+                         "comma-separated (default 1,5,10,25,50,100)")
+    buckets.add_argument("--steps", type=int, default=10, help="training steps per value, about half of them "
+                         "profiled (default 10, at least 4)")
+    buckets.add_argument("--nproc", type=int, help="ranks on this node (default: train.nproc_per_node)")
+    buckets.add_argument("--bandwidth-gbps", type=float, default=100.0,
+                         help="network bandwidth of the plan's estimate, gigabits/s (default 100, as llmpipe plan)")
+    buckets.add_argument("--write", action="store_true", help="set the fastest value in CONFIG (comments and "
+                         "order kept, the original kept as CONFIG.bak)")
+    buckets.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -276,6 +295,21 @@ def _plan_deploy(args: argparse.Namespace, cfg: config_mod.RunConfig) -> int:
     return 0
 
 
+def _tune(args: argparse.Namespace) -> int:
+    from llmpipe import tune
+
+    values = tune.parse_values(args.values)
+    if args.nproc is not None and args.nproc < 1:
+        raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
+    nproc = [f"train.nproc_per_node={args.nproc}"] if args.nproc is not None else []
+    cfg = config_mod.load(args.config, [*args.overrides, *nproc])
+    points = tune.bucket_sweep(cfg, values, args.steps, args.bandwidth_gbps)
+    print(tune.format_table(cfg, points, args.steps, args.bandwidth_gbps))
+    if args.write:
+        print(tune.write_bucket_cap(Path(args.config), tune.best(points).bucket_cap_mb, list(args.overrides)))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
@@ -298,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
             return _clean(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "tune":
+            return _tune(args)
         from llmpipe import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")

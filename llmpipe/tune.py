@@ -1,0 +1,388 @@
+"""Measured tuning: `llmpipe tune buckets CONFIG` sweeps DDP's gradient bucket size.
+
+For each bucket_cap_mb value the run's layout trains a few steps under torchrun, with the profiler on
+steps in the middle (not the first, where DDP builds and then rebuilds its buckets, nor the last, which
+saves a checkpoint), into a scratch folder `artifacts/<run>/tune/buckets-<value>/`. Rank 0's breakdown
+(llmpipe.train.profile) gives tokens/s and the communication the step waits for (exposed). Beside each
+row: the planner's gradient-sync estimate for that bucket size, as `llmpipe plan` computes it (volume at
+the bandwidth plus one latency per bucket). The data come from the run's prepare_data stage, run or
+reused through the stage machinery; the train stage's folder and checkpoints are never touched.
+
+`write_bucket_cap` sets the winner in the config file with a minimal text edit (comments and order
+kept), verified against the parsed YAML before the file is replaced.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from llmpipe import config as config_mod
+from llmpipe.config import ConfigError, RunConfig
+from llmpipe.errors import UserError
+
+log = logging.getLogger("llmpipe.tune")
+
+DEFAULT_VALUES = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0)
+MIN_STEPS = 4  # skipped, warm-up, recorded, last (checkpoint): one each
+KEY = ("train", "parallel", "bucket_cap_mb")
+
+
+class TuneError(UserError, RuntimeError):
+    """A sweep that could not finish or a result that could not be written; one line."""
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured bucket size (rank 0's profiled steps) and the planner's estimate for it."""
+
+    bucket_cap_mb: float
+    tokens_per_s: float  # tokens of the profiled steps / their time
+    comm_ms: float  # exposed communication per step (mean)
+    overlapped_ms: float  # communication on other threads (DDP's bucket all-reduces during backward), per step
+    step_ms: float  # mean step time
+    plan_ms: float  # the planner's gradient sync per step: volume at the bandwidth + buckets x latency
+    buckets: int  # the planner's collectives per step
+    folder: Path
+
+
+# -- input --------------------------------------------------------------------------------------------
+
+def parse_values(text: str) -> list[float]:
+    """"1,5,10" -> [1.0, 5.0, 10.0]: positive, finite, in the order given, repeats dropped."""
+    values: list[float] = []
+    for item in text.split(","):
+        try:
+            v = float(item)
+        except ValueError:
+            raise ConfigError(f"--values {text!r}: {item.strip()!r} is not a number (MB, comma-separated, "
+                              "e.g. 1,5,25)") from None
+        if not (math.isfinite(v) and v > 0):
+            raise ConfigError(f"--values {text!r}: bucket_cap_mb must be a positive number of MB (got {item.strip()})")
+        if v not in values:
+            values.append(v)
+    return values
+
+
+def check_layout(cfg: RunConfig) -> None:
+    """Refuse, in one line, a layout whose gradient sync has no bucket_cap_mb to tune."""
+    t, p = cfg.train, cfg.train.parallel
+    if p.data == "zero":
+        raise ConfigError("tune buckets tunes DDP's train.parallel.bucket_cap_mb; data=zero does not use it "
+                          "(ZeRO's buckets are reduce_bucket_size and allgather_bucket_size, in elements)")
+    if p.data == "fsdp":
+        raise ConfigError("tune buckets tunes DDP's train.parallel.bucket_cap_mb; data=fsdp (FSDP2) has no "
+                          "bucket size: it communicates once per block")
+    if p.tp > 1 or p.pp > 1:
+        raise ConfigError(f"tune buckets tunes DDP's train.parallel.bucket_cap_mb; with tp={p.tp}, pp={p.pp} "
+                          "data=ddp is FSDP2's replicate, one collective per block, and has no bucket size")
+    if t.hostfile is not None or t.nodes > 1:
+        raise ConfigError("tune buckets trains on this node only; set train.nodes=1 and no train.hostfile "
+                          "(the bucket size that wins on one node is a starting point for several)")
+    if t.nproc_per_node < 2:
+        raise ConfigError(f"tune buckets needs at least 2 ranks to have gradients to sync "
+                          f"(train.nproc_per_node={t.nproc_per_node}); pass --nproc 2 or more")
+
+
+def profile_schedule(steps: int) -> dict[str, int]:
+    """train.profile's wait/warmup/active for a run of `steps`: record about half of them, after at least
+    two (DDP rebuilds its buckets after the first), never the last (its checkpoint and final eval)."""
+    if steps < MIN_STEPS:
+        raise ConfigError(f"--steps {steps}: at least {MIN_STEPS} (a skipped, a warm-up, a recorded and a last step)")
+    active = (steps - 2) // 2
+    return {"wait": steps - 2 - active, "warmup": 1, "active": active, "repeat": 1}
+
+
+def point_config(cfg: RunConfig, bucket_cap_mb: float, steps: int) -> RunConfig:
+    """`cfg` for one sweep point: `steps` steps, the profiler on, one checkpoint (the loop always saves
+    the last step), no resume, the smallest evaluation, this bucket size."""
+    tree = cfg.to_dict()
+    t = tree["train"]
+    t["max_steps"] = steps
+    t["log_every"] = steps
+    t["parallel"]["bucket_cap_mb"] = bucket_cap_mb
+    t["profile"].update(enabled=True, **profile_schedule(steps))
+    t["checkpoint"].update(every_steps=steps, keep_last=1, resume="never", async_save=False)
+    t["eval"].update(every_steps=steps, samples=None, batches=1)
+    return config_mod.from_dict(tree, source=f"tune buckets (bucket_cap_mb={bucket_cap_mb:g})")
+
+
+# -- the planner's view -------------------------------------------------------------------------------
+
+def plan_estimate(cfg: RunConfig, bandwidth_gbps: float) -> tuple[float, int]:
+    """(gradient-sync seconds per step, collectives per step) as `llmpipe plan` computes them for `cfg`:
+    its sync time (ring volume at the bandwidth) plus its latency term (one ALPHA_S per bucket)."""
+    from llmpipe import plan
+    from llmpipe.parallel.mesh import LayoutError
+
+    try:
+        p = plan.plan(cfg, cfg.train.nproc_per_node, bandwidth_gbps=bandwidth_gbps)
+    except LayoutError as err:
+        raise ConfigError(f"train.parallel: {err}") from None
+    return p.sync_s + p.latency_s, p.collectives
+
+
+# -- one point ----------------------------------------------------------------------------------------
+
+def _read_breakdown(folder: Path) -> list[dict[str, Any]]:
+    path = folder / "profile" / "breakdown_rank0.json"
+    try:
+        rows = json.loads(path.read_text())["steps"]
+    except (OSError, ValueError, KeyError):
+        rows = []
+    if not rows:
+        raise TuneError(f"{path}: no profiled steps recorded")
+    return rows
+
+
+def measure(cfg: RunConfig, data_dir: Path, folder: Path) -> tuple[float, float, float, float]:
+    """Train `cfg` (a point_config) under torchrun into `folder` (emptied first); (tokens/s, exposed and
+    overlapped communication ms per step, step ms) from rank 0's profiled steps. The checkpoint is removed
+    after."""
+    from llmpipe.train.launch import TORCHRUN_LOGS, run_streaming, torchrun_argv
+    from llmpipe.train.stage import _env as launch_env  # the train stage's rank environment
+    from llmpipe.train.stage import check_layout as check_world
+    from llmpipe.train.stage import failure
+
+    check_world(cfg, data_dir)
+    if folder.exists():
+        shutil.rmtree(folder)  # a previous sweep's point: its checkpoint would be resumed, its profile read
+    folder.mkdir(parents=True)
+    config_path = folder / "config.yaml"
+    config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    argv = torchrun_argv(cfg.train.nproc_per_node, config_path, data_dir, folder)
+    env = launch_env(cfg)
+    agent_file = folder / TORCHRUN_LOGS / "agent-error-node0.json"
+    env["TORCHELASTIC_ERROR_FILE"] = str(agent_file)
+    since = time.time()
+    with open(folder / "train.log", "w", encoding="utf-8") as out:
+        code, _ = run_streaming(argv, lambda line: print(line, file=out, flush=True), env=env)
+    if code != 0:
+        err = failure(code, folder / TORCHRUN_LOGS, agent_file, since)
+        raise TuneError(f"bucket_cap_mb={cfg.train.parallel.bucket_cap_mb:g}: {err} (output: {folder / 'train.log'})")
+    shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # a scratch run's weights: not worth the disk
+    rows = _read_breakdown(folder)
+    total_ms = sum(r["step_ms"] for r in rows)
+    tokens = sum(r["tokens_per_s"] * r["step_ms"] / 1e3 for r in rows)
+    n = len(rows)
+    return (tokens / (total_ms / 1e3), sum(r["communication_ms"] for r in rows) / n,
+            sum(r["communication_background_ms"] for r in rows) / n, total_ms / n)
+
+
+# -- the sweep ----------------------------------------------------------------------------------------
+
+def tune_dir(cfg: RunConfig) -> Path:
+    return cfg.run_dir() / "tune"
+
+
+def bucket_sweep(cfg: RunConfig, values: list[float], steps: int = 10,
+                 bandwidth_gbps: float = 100.0) -> list[Point]:
+    """Measure every bucket size in `values` on `cfg`'s layout (see the module docstring)."""
+    from llmpipe.lock import run_lock
+    from llmpipe.stages import run_stage, stage_dir
+
+    check_layout(cfg)
+    if not bandwidth_gbps > 0:
+        raise ConfigError(f"--bandwidth-gbps must be > 0 (got {bandwidth_gbps:g})")
+    points = [point_config(cfg, v, steps) for v in values]  # every value checked before anything runs
+    estimates = [plan_estimate(p, bandwidth_gbps) for p in points]
+    out: list[Point] = []
+    # The lock keeps the run's stages (and another sweep) off the run folder and the cores meanwhile.
+    with run_lock(cfg.run_dir()):
+        run_stage("prepare_data", cfg)
+        data_dir = stage_dir(cfg.run_dir(), "prepare_data")
+        for i, (pcfg, (plan_s, buckets)) in enumerate(zip(points, estimates), 1):
+            v = pcfg.train.parallel.bucket_cap_mb
+            folder = tune_dir(cfg) / f"buckets-{v:g}"
+            log.info("tune buckets [%d/%d] bucket_cap_mb=%g: %d steps on %d ranks in %s", i, len(points), v, steps,
+                     pcfg.train.nproc_per_node, folder)
+            t0 = time.monotonic()
+            tok_s, comm_ms, overlapped_ms, step_ms = measure(pcfg, data_dir, folder)
+            out.append(Point(v, tok_s, comm_ms, overlapped_ms, step_ms, plan_s * 1e3, buckets, folder))
+            log.info("tune buckets [%d/%d] bucket_cap_mb=%g: %.0f tokens/s, exposed comm %.1f ms/step, step %.1f ms "
+                     "(%.0f s)", i, len(points), v, tok_s, comm_ms, step_ms, time.monotonic() - t0)
+    return out
+
+
+def best(points: list[Point]) -> Point:
+    """The highest tokens/s (the first of equals)."""
+    return max(points, key=lambda p: p.tokens_per_s)
+
+
+def format_table(cfg: RunConfig, points: list[Point], steps: int, bandwidth_gbps: float) -> str:
+    """The sweep as a table, the best row marked, then what each column means."""
+    from llmpipe import device as dev
+
+    win, configured = best(points), cfg.train.parallel.bucket_cap_mb
+    sched = profile_schedule(steps)
+    first = sched["wait"] + sched["warmup"] + 1
+    last = first + sched["active"] - 1
+    lines = [f"bucket sweep: {cfg.run.name}, {cfg.model.flavor} model, data=ddp on {cfg.train.nproc_per_node} ranks "
+             f"({dev.resolve(cfg.run.device).type}), {steps} steps per value, steps {first}-{last} profiled on rank 0",
+             f"{'':2}{'bucket_cap_mb':>13} {'buckets':>8} {'tokens/s':>10} {'comm ms/step':>13} "
+             f"{'overlapped ms':>14} {'step ms':>9} {'plan sync ms':>13}"]
+    for p in points:
+        mark = "* " if p is win else "  "
+        note = "  (configured)" if p.bucket_cap_mb == configured else ""
+        lines.append(f"{mark}{p.bucket_cap_mb:>13g} {p.buckets:>8d} {p.tokens_per_s:>10,.0f} {p.comm_ms:>13.1f} "
+                     f"{p.overlapped_ms:>14.1f} {p.step_ms:>9.1f} {p.plan_ms:>13.3f}{note}")
+    ref = next((p for p in points if p.bucket_cap_mb == configured), None)
+    vs = (f", {100 * (win.tokens_per_s / ref.tokens_per_s - 1):+.1f}% over the configured {configured:g}"
+          if ref is not None and ref is not win else "")
+    lines += [f"best: bucket_cap_mb={win.bucket_cap_mb:g} ({win.tokens_per_s:,.0f} tokens/s{vs})",
+              "comm: communication the step waits for (exposed, on rank 0's main thread); overlapped: collectives "
+              "on other threads meanwhile (DDP's bucket all-reduces during backward); both the profiler's",
+              f"buckets, plan sync: `llmpipe plan`'s gradient sync at {bandwidth_gbps:g} Gbps (ring volume at the "
+              "bandwidth + one latency per bucket)"]
+    return "\n".join(lines)
+
+
+# -- --write ------------------------------------------------------------------------------------------
+
+_FOUND = re.compile(r"(?<![\w-])bucket_cap_mb[ \t]*:[ \t]*(?P<value>[^,}\s#]*)")
+_TOP = re.compile(r"train[ \t]*:[ \t]*(#.*)?$")
+_PARALLEL = re.compile(r"(?P<indent>[ \t]+)parallel[ \t]*:[ \t]*(?P<rest>.*)$")
+
+
+def _number(v: float) -> str:
+    """`v` as a YAML number PyYAML reads back as `v` (it reads `1e-05` as a string, `1.0e-05` as a float)."""
+    text = str(int(v)) if v == int(v) else repr(v)
+    return text.replace("e", ".0e", 1) if "e" in text and "." not in text else text
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _content(line: str) -> bool:
+    return bool(line.strip()) and not line.lstrip().startswith("#")
+
+
+def _edit_existing(text: str, value: str) -> str | None:
+    """Replace the value of the one uncommented `bucket_cap_mb:` (block or flow style); None if there are several."""
+    found = [m for m in _FOUND.finditer(text)
+             if "#" not in text[text.rfind("\n", 0, m.start()) + 1:m.start()]]
+    if len(found) != 1:
+        return None
+    m = found[0]
+    return text[:m.start("value")] + value + text[m.end("value"):]
+
+
+def _insert(text: str, value: str) -> str | None:
+    """Add bucket_cap_mb under a block-style `train:` (into its `parallel:`, block or flow, or a new one),
+    or a new train section at the end; None when the file's shape is not one of these."""
+    nl = "\r\n" if "\r\n" in text else "\n"
+    lines = text.splitlines(keepends=True)
+    tops = [i for i, ln in enumerate(lines) if _TOP.match(ln.rstrip("\r\n"))]
+    if not tops:
+        if re.search(r"^train\b", text, re.M):
+            return None  # train in another shape (flow style, a key with odd spacing)
+        sep = "" if not text or text.endswith("\n") else nl
+        return text + sep + f"train:{nl}  parallel:{nl}    bucket_cap_mb: {value}{nl}"
+    start = tops[0] + 1
+    end = next((i for i in range(start, len(lines)) if _content(lines[i]) and _indent(lines[i]) == 0), len(lines))
+    children = [i for i in range(start, end) if _content(lines[i])]
+    child = " " * (_indent(lines[children[0]]) if children else 2)
+    for i in children:
+        m = _PARALLEL.match(lines[i].rstrip("\r\n"))
+        if not m or m["indent"] != child:
+            continue
+        rest = m["rest"]
+        if rest.startswith("{"):
+            inner = "" if re.match(r"\{\s*\}", rest) else ", "
+            lines[i] = lines[i].replace("{", "{bucket_cap_mb: " + value + inner, 1)
+        elif not rest or rest.startswith("#"):
+            below = next((j for j in range(i + 1, end) if _content(lines[j])), None)
+            deeper = below is not None and _indent(lines[below]) > len(child)
+            grand = " " * _indent(lines[below]) if deeper else child * 2
+            lines.insert(i + 1, f"{grand}bucket_cap_mb: {value}{nl}")
+        else:
+            return None
+        return "".join(lines)
+    lines.insert(start, f"{child}parallel:{nl}{child * 2}bucket_cap_mb: {value}{nl}")
+    return "".join(lines)
+
+
+def _unshared(tree: Any) -> Any:
+    """A copy of a parsed YAML tree in which no two places share a dict or list."""
+    if isinstance(tree, dict):
+        return {k: _unshared(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_unshared(v) for v in tree]
+    return tree
+
+
+def edit_text(text: str, v: float) -> str | None:
+    """`text` (a config's YAML) with train.parallel.bucket_cap_mb set to `v` and nothing else changed, or
+    None when no minimal edit does that (checked by parsing both)."""
+    try:
+        old = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        return None
+    expected = _unshared(old)  # NOTE: not deepcopy, which keeps an alias's sharing: the edit must change one place
+    node = expected
+    for key in KEY[:-1]:
+        if not isinstance(node, dict):
+            return None
+        if node.get(key) is None:
+            node[key] = {}
+        node = node[key]
+    if not isinstance(node, dict):
+        return None
+    node[KEY[-1]] = v
+    value = _number(v)
+    for new in (_edit_existing(text, value), _insert(text, value)):
+        try:
+            if new is not None and yaml.safe_load(new) == expected:
+                return new
+        except yaml.YAMLError:
+            continue
+    return None
+
+
+def write_bucket_cap(path: Path, v: float, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """Set train.parallel.bucket_cap_mb to `v` in the config file `path`, keeping everything else of the
+    text; the original is kept as `path`.bak. The edited text must load (with `overrides`, those setting
+    the bucket size left out) with the new value before it replaces the file. Returns a line to print."""
+    path = Path(path)
+    text = path.read_text(encoding="utf-8")
+    try:
+        current = (yaml.safe_load(text) or {}).get("train", {}).get("parallel", {}).get("bucket_cap_mb")
+    except (yaml.YAMLError, AttributeError):
+        current = None
+    if current == v:
+        return f"{path}: train.parallel.bucket_cap_mb is already {_number(v)}; not rewritten"
+    new = edit_text(text, v)
+    if new is None:
+        raise TuneError(f"{path}: cannot set bucket_cap_mb with a minimal edit of this file; set "
+                        f"train.parallel.bucket_cap_mb: {_number(v)} there yourself")
+    keep = [o for o in overrides if not o.partition("=")[0].strip().endswith("bucket_cap_mb")]
+    tmp = path.with_name(f".{path.name}.tune-{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as f:
+            f.write(new)
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.copymode(path, tmp)
+        try:
+            loaded = config_mod.load(tmp, keep).train.parallel.bucket_cap_mb
+        except ConfigError as err:
+            raise TuneError(f"{path}: the edited file does not load ({err}); not written") from None
+        if loaded != v:
+            raise TuneError(f"{path}: the edited file reads bucket_cap_mb={loaded:g}, not {v:g}; not written")
+        backup = path.with_name(path.name + ".bak")
+        shutil.copy2(path, backup)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return f"wrote train.parallel.bucket_cap_mb: {_number(v)} to {path} (the original is {backup})"
