@@ -10,7 +10,8 @@
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
     llmpipe plan CONFIG --deploy [--soc S] [--memory-bandwidth-gbs B] [--memory-gib M]     (inference sizing)
-    llmpipe tune buckets CONFIG [--values 1,5,10,25,50,100] [--steps N] [--nproc N] [--write] [--set k=v ...]
+    llmpipe tune buckets CONFIG [--values 1,5,10,25,50,100] [--steps N] [--nproc N] [--repeats R] [--write]
+                     [--set k=v ...]
                      (short DDP trainings per bucket_cap_mb: tokens/s, exposed communication, the plan's estimate)
 
 User errors print one line, `error: ...`, and exit with status 2 (config) or 1 (a stage failed).
@@ -115,6 +116,8 @@ def _parser() -> argparse.ArgumentParser:
     buckets.add_argument("--steps", type=int, default=10, help="training steps per value, about half of them "
                          "profiled (default 10, at least 4)")
     buckets.add_argument("--nproc", type=int, help="ranks on this node (default: train.nproc_per_node)")
+    buckets.add_argument("--repeats", type=int, default=1, help="runs per value, the values taking turns (a busy "
+                         "spell of a shared machine then falls on all of them); default 1")
     buckets.add_argument("--bandwidth-gbps", type=float, default=100.0,
                          help="network bandwidth of the plan's estimate, gigabits/s (default 100, as llmpipe plan)")
     buckets.add_argument("--write", action="store_true", help="set the fastest value in CONFIG (comments and "
@@ -303,7 +306,7 @@ def _tune(args: argparse.Namespace) -> int:
         raise ConfigError(f"--nproc {args.nproc}: must be >= 1")
     nproc = [f"train.nproc_per_node={args.nproc}"] if args.nproc is not None else []
     cfg = config_mod.load(args.config, [*args.overrides, *nproc])
-    points = tune.bucket_sweep(cfg, values, args.steps, args.bandwidth_gbps)
+    points = tune.bucket_sweep(cfg, values, args.steps, args.bandwidth_gbps, args.repeats)
     print(tune.format_table(cfg, points, args.steps, args.bandwidth_gbps))
     if args.write:
         print(tune.write_bucket_cap(Path(args.config), tune.best(points).bucket_cap_mb, list(args.overrides)))

@@ -53,7 +53,8 @@ class Point:
     step_ms: float  # mean step time
     plan_ms: float  # the planner's gradient sync per step: volume at the bandwidth + buckets x latency
     buckets: int  # the planner's collectives per step
-    folder: Path
+    folders: tuple[Path, ...]  # one per run (--repeats)
+    spread: float = 0.0  # max / min - 1 of the runs' tokens/s (0 with one run)
 
 
 # -- input --------------------------------------------------------------------------------------------
@@ -145,10 +146,9 @@ def _read_breakdown(folder: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def measure(cfg: RunConfig, data_dir: Path, folder: Path) -> tuple[float, float, float, float]:
-    """Train `cfg` (a point_config) under torchrun into `folder` (emptied first); (tokens/s, exposed and
-    overlapped communication ms per step, step ms) from rank 0's profiled steps. The checkpoint is removed
-    after."""
+def measure(cfg: RunConfig, data_dir: Path, folder: Path) -> list[dict[str, Any]]:
+    """Train `cfg` (a point_config) under torchrun into `folder` (emptied first); rank 0's profiled steps
+    (llmpipe.train.profile's breakdown rows). The checkpoint is removed after."""
     from llmpipe.train.launch import TORCHRUN_LOGS, run_streaming, torchrun_argv
     from llmpipe.train.stage import _env as launch_env  # the train stage's rank environment
     from llmpipe.train.stage import check_layout as check_world
@@ -171,10 +171,14 @@ def measure(cfg: RunConfig, data_dir: Path, folder: Path) -> tuple[float, float,
         err = failure(code, folder / TORCHRUN_LOGS, agent_file, since)
         raise TuneError(f"bucket_cap_mb={cfg.train.parallel.bucket_cap_mb:g}: {err} (output: {folder / 'train.log'})")
     shutil.rmtree(folder / "checkpoints", ignore_errors=True)  # a scratch run's weights: not worth the disk
-    rows = _read_breakdown(folder)
-    total_ms = sum(r["step_ms"] for r in rows)
+    return _read_breakdown(folder)
+
+
+def summarize(rows: list[dict[str, Any]]) -> tuple[float, float, float, float]:
+    """(tokens/s, exposed and overlapped communication ms per step, step ms) of breakdown rows: their
+    tokens over their time, and means."""
+    n, total_ms = len(rows), sum(r["step_ms"] for r in rows)
     tokens = sum(r["tokens_per_s"] * r["step_ms"] / 1e3 for r in rows)
-    n = len(rows)
     return (tokens / (total_ms / 1e3), sum(r["communication_ms"] for r in rows) / n,
             sum(r["communication_background_ms"] for r in rows) / n, total_ms / n)
 
@@ -185,32 +189,45 @@ def tune_dir(cfg: RunConfig) -> Path:
     return cfg.run_dir() / "tune"
 
 
-def bucket_sweep(cfg: RunConfig, values: list[float], steps: int = 10,
-                 bandwidth_gbps: float = 100.0) -> list[Point]:
-    """Measure every bucket size in `values` on `cfg`'s layout (see the module docstring)."""
+def bucket_sweep(cfg: RunConfig, values: list[float], steps: int = 10, bandwidth_gbps: float = 100.0,
+                 repeats: int = 1) -> list[Point]:
+    """Measure every bucket size in `values` on `cfg`'s layout (see the module docstring). With `repeats`,
+    the values take turns (1 5 25 1 5 25 ...), so that a busy spell of a shared machine falls on all of them;
+    a value's figures are over all its runs' profiled steps."""
     from llmpipe.lock import run_lock
     from llmpipe.stages import run_stage, stage_dir
 
     check_layout(cfg)
     if not bandwidth_gbps > 0:
         raise ConfigError(f"--bandwidth-gbps must be > 0 (got {bandwidth_gbps:g})")
+    if repeats < 1:
+        raise ConfigError(f"--repeats {repeats}: must be >= 1")
     points = [point_config(cfg, v, steps) for v in values]  # every value checked before anything runs
     estimates = [plan_estimate(p, bandwidth_gbps) for p in points]
-    out: list[Point] = []
+    runs: list[list[tuple[Path, list[dict[str, Any]]]]] = [[] for _ in points]
+    total = repeats * len(points)
     # The lock keeps the run's stages (and another sweep) off the run folder and the cores meanwhile.
     with run_lock(cfg.run_dir()):
         run_stage("prepare_data", cfg)
         data_dir = stage_dir(cfg.run_dir(), "prepare_data")
-        for i, (pcfg, (plan_s, buckets)) in enumerate(zip(points, estimates), 1):
+        for k in range(total):
+            pcfg, r = points[k % len(points)], k // len(points)
             v = pcfg.train.parallel.bucket_cap_mb
-            folder = tune_dir(cfg) / f"buckets-{v:g}"
-            log.info("tune buckets [%d/%d] bucket_cap_mb=%g: %d steps on %d ranks in %s", i, len(points), v, steps,
+            folder = tune_dir(cfg) / f"buckets-{v:g}{f'-r{r + 1}' if repeats > 1 else ''}"
+            log.info("tune buckets [%d/%d] bucket_cap_mb=%g: %d steps on %d ranks in %s", k + 1, total, v, steps,
                      pcfg.train.nproc_per_node, folder)
             t0 = time.monotonic()
-            tok_s, comm_ms, overlapped_ms, step_ms = measure(pcfg, data_dir, folder)
-            out.append(Point(v, tok_s, comm_ms, overlapped_ms, step_ms, plan_s * 1e3, buckets, folder))
+            rows = measure(pcfg, data_dir, folder)
+            runs[k % len(points)].append((folder, rows))
+            tok_s, comm_ms, _, step_ms = summarize(rows)
             log.info("tune buckets [%d/%d] bucket_cap_mb=%g: %.0f tokens/s, exposed comm %.1f ms/step, step %.1f ms "
-                     "(%.0f s)", i, len(points), v, tok_s, comm_ms, step_ms, time.monotonic() - t0)
+                     "(%.0f s)", k + 1, total, v, tok_s, comm_ms, step_ms, time.monotonic() - t0)
+    out = []
+    for pcfg, (plan_s, buckets), done in zip(points, estimates, runs):
+        rates = [summarize(rows)[0] for _, rows in done]
+        out.append(Point(pcfg.train.parallel.bucket_cap_mb, *summarize([x for _, rows in done for x in rows]),
+                         plan_ms=plan_s * 1e3, buckets=buckets, folders=tuple(f for f, _ in done),
+                         spread=max(rates) / min(rates) - 1))
     return out
 
 
@@ -223,28 +240,45 @@ def format_table(cfg: RunConfig, points: list[Point], steps: int, bandwidth_gbps
     """The sweep as a table, the best row marked, then what each column means."""
     from llmpipe import device as dev
 
-    win, configured = best(points), cfg.train.parallel.bucket_cap_mb
+    win, configured, repeats = best(points), cfg.train.parallel.bucket_cap_mb, len(points[0].folders)
     sched = profile_schedule(steps)
     first = sched["wait"] + sched["warmup"] + 1
-    last = first + sched["active"] - 1
+    turns = f", {repeats} runs per value taking turns" if repeats > 1 else ""
     lines = [f"bucket sweep: {cfg.run.name}, {cfg.model.flavor} model, data=ddp on {cfg.train.nproc_per_node} ranks "
-             f"({dev.resolve(cfg.run.device).type}), {steps} steps per value, steps {first}-{last} profiled on rank 0",
-             f"{'':2}{'bucket_cap_mb':>13} {'buckets':>8} {'tokens/s':>10} {'comm ms/step':>13} "
-             f"{'overlapped ms':>14} {'step ms':>9} {'plan sync ms':>13}"]
+             f"({dev.resolve(cfg.run.device).type}), {steps} steps per run{turns}, steps {first}-"
+             f"{first + sched['active'] - 1} profiled on rank 0",
+             f"{'':2}{'bucket_cap_mb':>13} {'buckets':>8} {'tokens/s':>10} {'comm ms/step':>13} {'overlapped ms':>14} "
+             f"{'step ms':>9} {'plan sync ms':>13}" + (f" {'runs apart':>11}" if repeats > 1 else "")]
     for p in points:
-        mark = "* " if p is win else "  "
-        note = "  (configured)" if p.bucket_cap_mb == configured else ""
-        lines.append(f"{mark}{p.bucket_cap_mb:>13g} {p.buckets:>8d} {p.tokens_per_s:>10,.0f} {p.comm_ms:>13.1f} "
-                     f"{p.overlapped_ms:>14.1f} {p.step_ms:>9.1f} {p.plan_ms:>13.3f}{note}")
+        apart = f" {100 * p.spread:>10.1f}%" if repeats > 1 else ""
+        lines.append(f"{'* ' if p is win else '  '}{p.bucket_cap_mb:>13g} {p.buckets:>8d} {p.tokens_per_s:>10,.0f} "
+                     f"{p.comm_ms:>13.1f} {p.overlapped_ms:>14.1f} {p.step_ms:>9.1f} {p.plan_ms:>13.3f}{apart}"
+                     + ("  (configured)" if p.bucket_cap_mb == configured else ""))
+    return "\n".join([*lines, _best_line(points, configured), *_legend(bandwidth_gbps, repeats)])
+
+
+def _best_line(points: list[Point], configured: float) -> str:
+    """The winner, its gain over the configured value, and whether the runs could tell it from the next."""
+    win = best(points)
     ref = next((p for p in points if p.bucket_cap_mb == configured), None)
     vs = (f", {100 * (win.tokens_per_s / ref.tokens_per_s - 1):+.1f}% over the configured {configured:g}"
           if ref is not None and ref is not win else "")
-    lines += [f"best: bucket_cap_mb={win.bucket_cap_mb:g} ({win.tokens_per_s:,.0f} tokens/s{vs})",
-              "comm: communication the step waits for (exposed, on rank 0's main thread); overlapped: collectives "
-              "on other threads meanwhile (DDP's bucket all-reduces during backward); both the profiler's",
-              f"buckets, plan sync: `llmpipe plan`'s gradient sync at {bandwidth_gbps:g} Gbps (ring volume at the "
-              "bandwidth + one latency per bucket)"]
-    return "\n".join(lines)
+    others = [p for p in points if p is not win]
+    if others and win.spread:
+        second = best(others)
+        margin = win.tokens_per_s / second.tokens_per_s - 1
+        if margin < max(win.spread, second.spread):
+            vs += (f"; {100 * margin:.1f}% ahead of {second.bucket_cap_mb:g}, less than their runs differ: "
+                   "a tie on this machine")
+    return f"best: bucket_cap_mb={win.bucket_cap_mb:g} ({win.tokens_per_s:,.0f} tokens/s{vs})"
+
+
+def _legend(bandwidth_gbps: float, repeats: int) -> list[str]:
+    return ["comm: communication the step waits for (exposed, on rank 0's main thread); overlapped: collectives "
+            "on other threads meanwhile (DDP's bucket all-reduces during backward); both the profiler's",
+            f"buckets, plan sync: `llmpipe plan`'s gradient sync at {bandwidth_gbps:g} Gbps (ring volume at the "
+            "bandwidth + one latency per bucket)"
+            + ("; runs apart: the fastest run's tokens/s over the slowest's, - 1" if repeats > 1 else "")]
 
 
 # -- --write ------------------------------------------------------------------------------------------

@@ -120,6 +120,7 @@ def test_a_two_value_sweep_prints_a_row_per_value_marks_the_fastest_and_writes_i
     (["--values", "5,0"], "bucket_cap_mb must be a positive number of MB (got 0)"),
     (["--values", "5,x"], "'x' is not a number"),
     (["--steps", "3"], "--steps 3: at least 4"),
+    (["--repeats", "0"], "--repeats 0: must be >= 1"),
     (["--set", "train.parallel.bucket_size=5"], "train.parallel.bucket_size: unknown key"),
 ])
 def test_a_layout_without_a_bucket_size_or_bad_input_is_one_line_and_a_nonzero_exit(tmp_path, capsys, argv,
@@ -133,6 +134,27 @@ def test_a_layout_without_a_bucket_size_or_bad_input_is_one_line_and_a_nonzero_e
 def test_a_config_that_does_not_load_is_one_line(tmp_path, capsys):
     code, _, errors = _cli(capsys, "tune", "buckets", str(tmp_path / "missing.yaml"))
     assert code == 2 and errors == [f"error: {tmp_path / 'missing.yaml'}: config file not found"]
+
+
+def test_repeats_take_turns_and_a_lead_smaller_than_the_runs_spread_is_called_a_tie(tmp_path, monkeypatch):
+    cfg = config_mod.load(_config(tmp_path))
+    order: list[str] = []
+    rate = {"buckets-1-r1": 1000.0, "buckets-5-r1": 1100.0, "buckets-1-r2": 1050.0, "buckets-5-r2": 900.0}
+
+    def fake_measure(pcfg, data_dir, folder):  # one profiled step of 100 ms at the run's rate
+        order.append(folder.name)
+        return [{"step_ms": 100.0, "tokens_per_s": rate[folder.name], "communication_ms": 1.0,
+                 "communication_background_ms": 2.0}]
+
+    monkeypatch.setattr(tune, "measure", fake_measure)
+    monkeypatch.setattr("llmpipe.stages.run_stage", lambda name, cfg: None)
+    points = tune.bucket_sweep(cfg, [1.0, 5.0], steps=6, repeats=2)
+    assert order == ["buckets-1-r1", "buckets-5-r1", "buckets-1-r2", "buckets-5-r2"]
+    assert [p.tokens_per_s for p in points] == [1025.0, 1000.0]  # all of a value's tokens over all its time
+    assert [round(p.spread, 3) for p in points] == [0.05, 0.222]
+    table = tune.format_table(cfg, points, 6, 100.0)
+    assert "2 runs per value taking turns" in table and "runs apart" in table
+    assert "best: bucket_cap_mb=1 (1,025 tokens/s; 2.5% ahead of 5, less than their runs differ: a tie" in table
 
 
 # -- --write's text edit ------------------------------------------------------------------------------
