@@ -184,6 +184,20 @@ class ParallelSection(Section):
                                            "the first, increasing (pp * virtual_stages - 1 of them); "
                                            "null: even split, earlier stages take the extra layers.")
     sequence_parallel: bool = Op(False, description="TP: shard norms and residuals along the sequence.")
+    # NOTE: a compressing hook changes the result, so llmpipe.train.fingerprint hashes these three when
+    # comm_hook is not none (the section is operational; its fields cannot be Res).
+    comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = Field(
+        "none", json_schema_extra={ROLE: OPERATIONAL}, description="DDP communication hook (torch's): "
+        "all-reduce gradients compressed to fp16 or bf16 (cast back after), or PowerSGD's low-rank "
+        "approximation with error feedback; data=ddp with tp=pp=1 only [operational section, but a hook "
+        "other than none is in the train stage's fingerprint: it changes the result].")
+    powersgd_rank: int = Field(4, ge=1, json_schema_extra={ROLE: OPERATIONAL}, description="PowerSGD: "
+                               "rank of each gradient matrix's approximation [operational section; in "
+                               "train's fingerprint with comm_hook=powersgd].")
+    start_powersgd_iter: int = Field(10, ge=2, json_schema_extra={ROLE: OPERATIONAL}, description="PowerSGD: "
+                                     "plain all-reduce for the first N optimizer steps (at least 2: DDP "
+                                     "rebuilds its buckets after the first) [operational section; in train's "
+                                     "fingerprint with comm_hook=powersgd].")
 
     @model_validator(mode="after")
     def _layout(self) -> ParallelSection:
@@ -197,6 +211,9 @@ class ParallelSection(Section):
             raise ValueError("offload_param needs data=zero with zero_stage=3 "
                              f"(got data={self.data}, zero_stage={self.zero_stage})")
         self._model_parallel()
+        if self.comm_hook != "none" and (self.data != "ddp" or self.tp > 1 or self.pp > 1):
+            raise ValueError(f"comm_hook={self.comm_hook} applies to torch DDP only (data=ddp, tp=1, pp=1); "
+                             f"got data={self.data}, tp={self.tp}, pp={self.pp}")
         return self
 
     def _model_parallel(self) -> None:
@@ -331,11 +348,16 @@ class TrainSection(Section):
     optim: OptimSection = Res(default_factory=OptimSection)
     schedule: ScheduleSection = Res(default_factory=ScheduleSection)
     activation_checkpointing: bool = Op(False, description="Recompute each block in backward.")
+    compile: bool = Op(False, description="torch.compile each transformer block (after tensor parallel and "
+                       "activation checkpointing, before data parallel) with the device's backend (inductor "
+                       "on CPU and CUDA: needs a C++ compiler; torchair on NPU). Not with ZeRO-3.")
     checkpoint: CheckpointSection = Op(default_factory=CheckpointSection)
     eval: EvalSection = Op(default_factory=EvalSection)
     log_every: int = Op(10, ge=1, description="Print a progress line every N steps.")
-    peak_tflops: float | None = Op(None, gt=0, description="Peak dense TFLOPS per device for MFU; "
-                                      "null: device.py's table for the detected device.")
+    peak_tflops: float | None = Op(None, gt=0, description="Peak dense TFLOPS per device for MFU (and "
+                                      "llmpipe plan); null: llmpipe.mfu's table by the accelerator's "
+                                      "reported name and dtype (an unknown one: MFU null), on CPU a GEMM "
+                                      "peak measured once per machine (cached in <artifacts_dir>/.calibration).")
     threads_per_proc: int | None = Op(None, ge=1, description="torch intra-op threads per rank "
                                          "(CPU); null: cores / nproc_per_node.")
     dist_timeout_s: int = Op(1800, ge=10, description="Timeout for process-group init and collectives.")
@@ -354,6 +376,16 @@ class TrainSection(Section):
     profile: ProfileSection = Op(default_factory=ProfileSection)
     debug: DebugSection = Op(default_factory=DebugSection)
     hccl: HcclSection = Op(default_factory=HcclSection)
+
+    @model_validator(mode="after")
+    def _compile_layout(self) -> TrainSection:
+        p = self.parallel
+        if self.compile and p.data == "zero" and p.zero_stage == 3:
+            # ZeRO-3 gathers and frees every parameter around each block's forward through module hooks
+            # and swaps param.data: compiled blocks would be traced against released (empty) parameters
+            raise ValueError("compile=true does not work with ZeRO-3 (DeepSpeed swaps each parameter's "
+                             "storage around every block); use zero_stage 1 or 2, or data=fsdp")
+        return self
 
 
 class ConsolidateSection(Section):

@@ -130,6 +130,13 @@ def check_launch(cfg: RunConfig) -> None:
     if launch is None:
         return
     world, nodes = launch
+    if cfg.train.compile:
+        from llmpipe import device as dev
+
+        try:
+            dev.compile_backend(dev.resolve(cfg.run.device))
+        except RuntimeError as err:
+            raise ConfigError(str(err)) from None
     _validate_layout(cfg, _model_args(cfg), world,
                      f" (world size {world} = nproc_per_node {cfg.train.nproc_per_node} x {nodes} node(s))")
 

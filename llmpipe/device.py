@@ -199,3 +199,26 @@ def cann_toolkit_dirs() -> list[str]:
     dirs = [home] if home else []
     dirs += ["/usr/local/Ascend/ascend-toolkit/latest", os.path.expanduser("~/Ascend/ascend-toolkit/latest")]
     return dirs
+
+
+def compile_backend(device: torch.device):
+    """torch.compile's backend for `device`: inductor on CPU and CUDA, torchair's on NPU. Raises
+    RuntimeError with one line when the backend cannot work here: inductor generates C++ on CPU (and
+    Triton builds its launchers with a C compiler on CUDA), so it needs a compiler on PATH."""
+    import shutil
+
+    if device.type == "npu":
+        try:
+            import torchair  # type: ignore[import-not-found]  # torch_npu's graph-mode companion
+        except Exception as err:  # ImportError, or OSError from missing CANN libraries
+            raise RuntimeError(f"train.compile on NPU needs torchair (torch_npu's torch.compile backend), "
+                               f"which does not import here: {err}") from None
+        return torchair.get_npu_backend()
+    names = ["g++", "c++", "clang++"] if device.type == "cpu" else ["cc", "gcc", "clang"]
+    env = os.environ.get("CXX" if device.type == "cpu" else "CC")
+    if not any(shutil.which(n) for n in ([env] if env else []) + names):
+        kind = "C++" if device.type == "cpu" else "C"
+        raise RuntimeError(f"train.compile: inductor on {device.type} needs a {kind} compiler and none is on "
+                           f"PATH (looked for {', '.join(([env] if env else []) + names)}); install one "
+                           "(e.g. apt install g++) or set train.compile: false")
+    return "inductor"

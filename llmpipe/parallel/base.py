@@ -92,6 +92,11 @@ class Strategy:
     def loss_scale(self) -> float | None:
         return None
 
+    def comm_bytes(self) -> int | None:
+        """Gradient bytes this rank handed to all-reduce since the last call (DDP: counted in its
+        communication hook, llmpipe.parallel.comm_hooks); None where not counted."""
+        return None
+
     def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> Any:
         """Called on every rank with the same (temporary) folder; write this rank's part and return
         the paths written (or an io.Written), which this rank then hashes (io.Saver)."""

@@ -19,7 +19,13 @@ from torch.distributed.device_mesh import DeviceMesh
 from llmpipe import device as dev
 from llmpipe.models.llama.hf import pretrained
 from llmpipe.models.llama.model import ModelArgs, Transformer, init_tensor
-from llmpipe.models.llama.parallelize import apply_activation_checkpointing, apply_fsdp, apply_replicate, init_weights
+from llmpipe.models.llama.parallelize import (
+    apply_activation_checkpointing,
+    apply_compile,
+    apply_fsdp,
+    apply_replicate,
+    init_weights,
+)
 from llmpipe.parallel import pipeline, tensor_parallel
 
 
@@ -44,6 +50,8 @@ def build_part(cfg, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, dat
         tensor_parallel.apply(model, mesh, cfg.train.parallel.sequence_parallel)
     if cfg.train.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if cfg.train.compile:
+        apply_compile(model, dev.compile_backend(env.device))
     if data != "none":
         param_dtype, reduce_dtype = mixed_precision(env.precision)
         if data == "fsdp":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -12,11 +13,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from llmpipe import device as dev
+from llmpipe.checkpoint import io as ckpt
 from llmpipe.models.llama.parallelize import unwrap_state_dict
 from llmpipe.optim import build_optimizer
-from llmpipe.parallel.base import TorchOptimizerStrategy
+from llmpipe.parallel.base import TorchOptimizerStrategy, clean_name
 from llmpipe.parallel.builder import build_part
+from llmpipe.parallel.comm_hooks import CommHook
 
+log = logging.getLogger(__name__)
 MODEL, OPTIM, TRAINER = "model.safetensors", "optimizer.pt", "trainer_state.pt"
 
 
@@ -43,6 +47,13 @@ class DDPStrategy(TorchOptimizerStrategy):
         self.cfg, self.env = cfg, env
         self.model = model = build_part(cfg, env, args)
         self.module = apply_ddp(model, env.device, cfg.train.parallel) if env.world > 1 else model
+        self.hook = None
+        if env.world > 1:
+            self.hook = CommHook(cfg.train.parallel, self.module, {id(p): clean_name(n) for n, p in
+                                                                   model.named_parameters()})
+        elif cfg.train.parallel.comm_hook != "none" and env.main:
+            log.info("train.parallel.comm_hook=%s: one process communicates nothing; the hook is not used",
+                     cfg.train.parallel.comm_hook)
         self.opt, self.sched = build_optimizer(model, cfg, env.world)
         ls = cfg.train.precision.loss_scale
         self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
@@ -55,17 +66,23 @@ class DDPStrategy(TorchOptimizerStrategy):
         return dev.autocast(self.env.device, self.env.precision)
 
     def micro_context(self, sync: bool):
+        if sync and self.hook is not None and self.hook.kind == "none":
+            self.hook.count_plain(self.model.parameters())  # what DDP's own all-reduce will send
         return contextlib.nullcontext() if sync or self.env.world == 1 else self.module.no_sync()
 
+    def comm_bytes(self) -> int | None:
+        return self.hook.take_bytes() if self.hook is not None else None
+
     def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> list[Path]:
+        hook = self.hook.write(folder, self.env.rank) if self.hook is not None else []  # every rank's own
         if self.env.rank != 0:  # replicas are identical: rank 0 writes the whole state
-            return []
+            return hook
         save_file({k: v.detach().contiguous().cpu() for k, v in unwrap_state_dict(self.module).items()},
                   str(folder / MODEL))
         torch.save(self.opt.state_dict(), folder / OPTIM)
         torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
                     "scaler": self.scaler.state_dict() if self.scaler is not None else None}, folder / TRAINER)
-        return [folder / MODEL, folder / OPTIM, folder / TRAINER]
+        return [folder / MODEL, folder / OPTIM, folder / TRAINER, *hook]
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         device = self.env.device
@@ -75,6 +92,8 @@ class DDPStrategy(TorchOptimizerStrategy):
         self.sched.load_state_dict(state["scheduler"])
         if self.scaler is not None and state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+        if self.hook is not None:
+            self.hook.read(folder, self.env.rank, self.env.world, ckpt.read_meta(folder).get("world_size"))
         return state
 
     def close(self) -> None:

@@ -167,6 +167,15 @@ def retune(strategy, cfg: RunConfig) -> None:
         sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
+def compile_seconds() -> float:
+    """Seconds torch.compile has spent in this process so far, as torch._dynamo records them: tracing
+    and compiling forward graphs (dynamo's compile_inner, which holds inductor's forward compile)
+    plus backward graphs, compiled lazily at the first backward."""
+    from torch._dynamo.utils import compilation_time_metrics as times
+
+    return float(sum(times.get("_compile.compile_inner", [])) + sum(times.get("compile_fx.<locals>.bw_compiler", [])))
+
+
 def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
     """Every rank's checkpoint saver (collective: makes the asynchronous saves' process group)."""
     c = cfg.train.checkpoint
@@ -322,6 +331,7 @@ class _Loop:
                                     self.peak_flops, first_step=start)
         with prof:
             for step in range(start, t.max_steps):
+                c0 = compile_seconds()
                 t0 = time.perf_counter()
                 lr = self.strategy.lr()
                 local = self._micro_steps(step, start, consumed)
@@ -336,6 +346,12 @@ class _Loop:
                        "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
                 if self.strategy.loss_scale() is not None:
                     rec["loss_scale"] = self.strategy.loss_scale()
+                sent = self.strategy.comm_bytes()
+                if sent is not None:
+                    rec["comm_bytes"] = sent
+                compiled = compile_seconds() - c0
+                if compiled > 0:  # graphs compiled during this step (not a training cost per step)
+                    rec["compile_s"] = compiled
                 if self.strategy.skipped:
                     rec["skipped"] = True
                 self.writer.step(rec)
@@ -360,4 +376,5 @@ class _Loop:
                 "global_batch": self.sampler.global_batch, "tokens_per_step": self.tokens_per_step,
                 "tokens_per_s": float(np.mean(steady)) if steady else 0.0,
                 "wall_s": time.perf_counter() - t_start, "params": self.args.num_params(),
-                "peak_memory_bytes": dev.peak_memory_bytes(env.device)}
+                "peak_memory_bytes": dev.peak_memory_bytes(env.device),
+                "compile_time_s": compile_seconds() if t.compile else None}

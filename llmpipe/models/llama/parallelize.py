@@ -81,6 +81,16 @@ def apply_activation_checkpointing(model: Transformer) -> None:
         model.layers[name] = checkpoint_wrapper(block, preserve_rng_state=False)
 
 
+def apply_compile(model: Transformer, backend) -> None:
+    """torch.compile each transformer block's forward (torchtitan's per-block compile): every block
+    has the same code and shapes, so one graph is compiled and reused, and the module tree, parameter
+    names and the hooks data parallel adds around blocks stay as they are. After tensor parallel and
+    activation checkpointing (the wrapper's checkpoint is traced with the block), before data
+    parallel. `backend` comes from llmpipe.device.compile_backend."""
+    for block in model.layers.values():
+        block.forward = torch.compile(block.forward, backend=backend)
+
+
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | None,
                reduce_dtype: torch.dtype | None, reshard_after_forward: bool) -> Transformer:
     """FSDP2 (torchtitan style): `fully_shard` each block, then the root (embeddings, norm, output).
