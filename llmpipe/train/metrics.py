@@ -39,7 +39,7 @@ class MetricsWriter:
         self._f.write(json.dumps(rec) + "\n")
         if self._tb is not None:
             for k, v in rec.items():
-                if k != "step":
+                if k != "step" and v is not None:  # mfu is null without a peak: nothing to plot
                     self._tb.add_scalar(f"{'val' if k.startswith('val') else 'train'}/{k}", v, rec["step"])
 
     def step(self, rec: dict[str, Any]) -> None:
