@@ -1,8 +1,9 @@
 """The one module that knows the hardware: npu / cuda / cpu.
 
 Everything device-specific lives here: picking the device, the distributed backend
-(hccl / nccl / gloo), autocast and loss scaling, memory statistics, peak FLOPS for MFU, and the
-onnxruntime execution providers. It is also the only module that imports torch_npu.
+(hccl / nccl / gloo), autocast and loss scaling, memory statistics, the name a device reports (which
+llmpipe.mfu looks its peak FLOPS up by), and the onnxruntime execution providers. It is also the only
+module that imports torch_npu.
 """
 
 from __future__ import annotations
@@ -17,22 +18,10 @@ import torch
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
-# Dense peak TFLOPS per device for MFU, by (device type, dtype). CPU figures are rough: override
-# train.peak_tflops with your machine's number for a meaningful MFU.
-_PEAK_TFLOPS = {
-    ("npu", "bf16"): 313.0, ("npu", "fp16"): 313.0, ("npu", "fp32"): 78.0,    # Ascend 910B
-    ("cuda", "bf16"): 989.0, ("cuda", "fp16"): 989.0, ("cuda", "fp32"): 67.0,  # H100/H200 SXM dense
-    ("cpu", "bf16"): 0.5, ("cpu", "fp16"): 0.5, ("cpu", "fp32"): 0.5,
-}
-
-# What `llmpipe plan` sizes for when not told otherwise: the Ascend 910B (64 GiB of HBM).
-PLAN_DEVICE = "Ascend 910B"
+# What `llmpipe plan` sizes for when not told otherwise: an Ascend 910B2 (64 GiB of HBM), named as it
+# reports itself (llmpipe.mfu's peak table is keyed by that name).
+PLAN_DEVICE = "Ascend910B2"
 PLAN_MEMORY_GIB = 64.0
-
-
-def plan_peak_tflops(precision: str) -> float:
-    """The planning device's dense peak TFLOPS for `precision` (fp32, bf16, fp16)."""
-    return _PEAK_TFLOPS[("npu", precision)]
 
 
 _ORT_PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "npu": "CANNExecutionProvider"}
@@ -164,8 +153,27 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
-def peak_tflops(device: torch.device, precision: str) -> float:
-    return _PEAK_TFLOPS[(device.type, precision)]
+def device_name(device: torch.device) -> str:
+    """The name the device reports ("NVIDIA A100-SXM4-80GB", "Ascend910B2"); on CPU, the CPU model."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    if device.type == "npu":
+        return torch.npu.get_device_name(device.index if device.index is not None else 0)
+    return cpu_model()
+
+
+def cpu_model() -> str:
+    """This machine's CPU model: /proc/cpuinfo's "model name", else what `platform` knows."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
 
 
 @dataclass(frozen=True)

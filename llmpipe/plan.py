@@ -24,6 +24,7 @@ import math
 from dataclasses import asdict, dataclass, replace
 
 from llmpipe import device
+from llmpipe import mfu as mfu_mod
 from llmpipe.config import ConfigError, RunConfig
 from llmpipe.models.llama.flavors import model_args
 from llmpipe.models.llama.model import ModelArgs
@@ -34,19 +35,14 @@ MIB = 1 << 20
 ALPHA_S = 50e-6  # assumed latency per collective (one gradient bucket) for the latency term
 TOKENS_PER_PARAM = 20  # Chinchilla's compute-optimal budget
 DEFAULT_MEMORY_GIB = device.PLAN_MEMORY_GIB  # the planning device's memory (llmpipe.device)
-# Dense peak TFLOPS per device when neither --peak-tflops nor train.peak_tflops is given: the
-# planning device's figures, from llmpipe.device's table (the device the memory default is for).
-DEFAULT_PEAK_TFLOPS = {p: device.plan_peak_tflops(p) for p in ("fp32", "bf16", "fp16")}
+# The peak per device when neither --peak-tflops nor train.peak_tflops is given: the planning device's
+# (the one the memory default is for) from llmpipe.mfu's table, as training reports MFU against.
+DEFAULT_PEAK = {p: mfu_mod.table_peak(device.PLAN_DEVICE, p) for p in ("fp32", "bf16", "fp16")}
 DAY_S = 86400.0
 YEAR_S = 365.25 * DAY_S
 
 
 # -- formulas on raw numbers --------------------------------------------------------------------------
-
-def flops_per_token(n_params_non_embedding: float, n_layers: int = 0, dim: int = 0, seq_len: int = 0) -> float:
-    """Training FLOPs per token: 6N (forward 2N + backward 4N) plus attention's 12 * L * d * T."""
-    return 6 * n_params_non_embedding + 12 * n_layers * dim * seq_len
-
 
 def train_time_s(total_flops: float, n_devices: int, peak_tflops: float, mfu: float = 1.0) -> float:
     """Seconds to do `total_flops` on `n_devices` each sustaining peak_tflops * mfu."""
@@ -488,11 +484,12 @@ class Plan:
     flops_per_step: float
     tokens: float
     total_flops: float
-    peak_tflops: float
+    peak_tflops: float | None  # per device; None: no figure for the planning device in this dtype
+    peak_source: str  # where peak_tflops comes from, or why there is none
     mfu: float
-    step_s: float
-    train_days: float
-    train_years_one_device: float
+    step_s: float | None  # None without a peak, as are the training times
+    train_days: float | None
+    train_years_one_device: float | None
     grad_bytes: int
     sync_volume_bytes: float
     bandwidth_gbps: float
@@ -520,6 +517,10 @@ def _check_positive(**values: float | None) -> None:
             raise ConfigError(f"{name.replace('_', '-')} must be > 0 (got {v:g})")
 
 
+def _over(x: float | None, unit: float) -> float | None:
+    return None if x is None else x / unit
+
+
 def plan(cfg: RunConfig, world_size: int | None = None, *, peak_tflops: float | None = None, mfu: float = 0.4,
          bandwidth_gbps: float = 100.0, tokens: float | None = None, memory_gib: float | None = None) -> Plan:
     """Size `cfg`'s run at `world_size`: see the module docstring for what is counted."""
@@ -531,8 +532,14 @@ def plan(cfg: RunConfig, world_size: int | None = None, *, peak_tflops: float | 
     a = s.args
     stages = memory(s)
     busiest = max(stages, key=lambda m: m.total)
-    peak = peak_tflops or cfg.train.peak_tflops or DEFAULT_PEAK_TFLOPS[s.precision]
-    fpt = a.flops_per_token(s.seq_len)
+    override = peak_tflops or cfg.train.peak_tflops
+    peak = mfu_mod.Peak(override, "--peak-tflops" if peak_tflops else "train.peak_tflops") if override \
+        else DEFAULT_PEAK[s.precision]
+    fpt = mfu_mod.flops_per_token(a, s.seq_len)
+
+    def seconds(flops: float, devices: int) -> float | None:
+        return train_time_s(flops, devices, peak.tflops, mfu) if peak.tflops else None
+
     tokens_per_step = s.micro * s.accum * s.dp * s.seq_len
     budget = tokens if tokens is not None else TOKENS_PER_PARAM * a.num_params()
     grad_bytes, volume, calls = _comm(s, stage_params(a, s.tp, s.pp, s.virtual_stages, s.split_points)[busiest.pp_rank])
@@ -544,10 +551,10 @@ def plan(cfg: RunConfig, world_size: int | None = None, *, peak_tflops: float | 
         micro_batch_size=s.micro, grad_accum_steps=s.accum, activation_checkpointing=s.checkpointing,
         memory=busiest, stage_totals=[m.total for m in stages],
         flops_per_token=fpt, tokens_per_step=tokens_per_step, flops_per_step=fpt * tokens_per_step, tokens=budget,
-        total_flops=fpt * budget, peak_tflops=peak, mfu=mfu,
-        step_s=train_time_s(fpt * tokens_per_step, s.world, peak, mfu),
-        train_days=train_time_s(fpt * budget, s.world, peak, mfu) / DAY_S,
-        train_years_one_device=train_time_s(fpt * budget, 1, peak, mfu) / YEAR_S,
+        total_flops=fpt * budget, peak_tflops=peak.tflops, peak_source=peak.source, mfu=mfu,
+        step_s=seconds(fpt * tokens_per_step, s.world),
+        train_days=_over(seconds(fpt * budget, s.world), DAY_S),
+        train_years_one_device=_over(seconds(fpt * budget, 1), YEAR_S),
         grad_bytes=grad_bytes, sync_volume_bytes=volume, bandwidth_gbps=bandwidth_gbps,
         sync_plain_s=sync_time_s(grad_bytes, bandwidth_gbps),
         sync_ring_s=sync_time_s(grad_bytes, bandwidth_gbps, ring_n=s.dp) if s.dp > 1 else 0.0,
@@ -592,6 +599,17 @@ def _memory_lines(p: Plan) -> list[str]:
     return lines
 
 
+def _time_lines(p: Plan) -> list[str]:
+    budget = f"  token budget              {p.tokens / 1e9:14,.1f} B tokens"
+    if p.step_s is None:  # no peak for the planning device in this dtype: no times, and why
+        return [f"  step time                 {'n/a':>14}          ({p.peak_source})", budget,
+                f"  training time             {'n/a':>14}"]
+    return [f"  step time                 {p.step_s:14.4g} s        (at {p.peak_tflops:g} TFLOPS x MFU {p.mfu:g} "
+            f"x {p.world_size} devices; peak: {p.peak_source})", budget,
+            f"  training time             {p.train_days:14,.4g} days     on {p.world_size} devices "
+            f"({p.train_years_one_device:,.4g} years on one)"]
+
+
 def format_table(p: Plan) -> str:
     """A readable report of a Plan (GiB, GFLOPs, s, days)."""
     r = p.recommendation
@@ -608,11 +626,7 @@ def format_table(p: Plan) -> str:
         "compute",
         f"  FLOPs per token           {p.flops_per_token / 1e9:14,.2f} GFLOPs   (6N + 12*L*d*T)",
         f"  FLOPs per step            {p.flops_per_step / 1e9:14,.0f} GFLOPs",
-        f"  step time                 {p.step_s:14.4g} s        (at {p.peak_tflops:g} TFLOPS x MFU {p.mfu:g} "
-        f"x {p.world_size} devices)",
-        f"  token budget              {p.tokens / 1e9:14,.1f} B tokens",
-        f"  training time             {p.train_days:14,.4g} days     on {p.world_size} devices "
-        f"({p.train_years_one_device:,.4g} years on one)",
+        *_time_lines(p),
         "",
         f"gradient sync per device per step (dp={p.dp}, {p.bandwidth_gbps:g} Gbps)",
         f"  gradients                 {_gib(p.grad_bytes)}",

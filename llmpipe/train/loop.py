@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from llmpipe import debug
+from llmpipe import debug, mfu
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.config import RunConfig
@@ -272,9 +272,14 @@ class _Loop:
         self.sampler, self.train_shard, self.val_shard, self.writer = sampler, train_shard, val_shard, writer
         t = cfg.train
         self.tokens_per_step = sampler.global_batch * cfg.data.seq_len
-        peak = t.peak_tflops or dev.peak_tflops(env.device, env.precision)
-        self.peak_flops = peak * 1e12 * env.world
-        self.flops_per_token = args.flops_per_token(cfg.data.seq_len)
+        # one device's peak (a CPU's is measured once per machine, or read from the stage's measurement)
+        self.peak = mfu.resolve_peak(env.device, env.precision, t.peak_tflops,
+                                     mfu.calibration_dir(cfg.run.artifacts_dir))
+        self.peak_flops = self.peak.tflops * 1e12 * env.world if self.peak.tflops else None  # the job's
+        self.flops_per_token = mfu.flops_per_token(args, cfg.data.seq_len)
+        if env.main:
+            log.info("MFU against %s", f"{self.peak.tflops:.4g} TFLOPS per device x {env.world}: {self.peak.source}"
+                     if self.peak.tflops else f"nothing (mfu n/a): {self.peak.source}")
 
     def _micro_steps(self, step: int, first_step: int, consumed: int) -> torch.Tensor | None:
         t, env, strategy = self.cfg.train, self.env, self.strategy
@@ -343,7 +348,7 @@ class _Loop:
                 tok_s = self.tokens_per_step / dt
                 tok_s_hist.append(tok_s)
                 rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
-                       "mfu": self.flops_per_token * tok_s / self.peak_flops, "step_time_s": dt}
+                       "mfu": mfu.mfu(tok_s, self.flops_per_token, self.peak_flops), "step_time_s": dt}
                 if self.strategy.loss_scale() is not None:
                     rec["loss_scale"] = self.strategy.loss_scale()
                 sent = self.strategy.comm_bytes()
@@ -357,8 +362,9 @@ class _Loop:
                 self.writer.step(rec)
                 done = step + 1
                 if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
-                    log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %.2f%%",
-                             done, t.max_steps, loss, lr, grad_norm, tok_s, 100 * rec["mfu"])
+                    log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %s",
+                             done, t.max_steps, loss, lr, grad_norm, tok_s,
+                             "n/a" if rec["mfu"] is None else f"{100 * rec['mfu']:.2f}%")
                 if not math.isfinite(loss) and t.debug.nan_guard != "skip":
                     raise FloatingPointError(f"loss is {loss} at step {done}")
                 if done % t.eval.every_steps == 0 and done != t.max_steps:
@@ -371,10 +377,12 @@ class _Loop:
         saver.wait()  # the last asynchronous save
         val = self._eval(t.max_steps) if t.max_steps > start else val0
         steady = tok_s_hist[1:] or tok_s_hist
+        tok_s = float(np.mean(steady)) if steady else 0.0
         return {"steps": t.max_steps, "resumed_from": start, "final_loss": loss, "val_loss_start": val0,
                 "val_loss": val, "val_ppl": math.exp(min(val, 50)), "world_size": env.world,
                 "global_batch": self.sampler.global_batch, "tokens_per_step": self.tokens_per_step,
-                "tokens_per_s": float(np.mean(steady)) if steady else 0.0,
+                "tokens_per_s": tok_s, "mfu": mfu.mfu(tok_s, self.flops_per_token, self.peak_flops) if steady else None,
+                "peak_tflops": self.peak.tflops, "peak_source": self.peak.source,  # per device
                 "wall_s": time.perf_counter() - t_start, "params": self.args.num_params(),
                 "peak_memory_bytes": dev.peak_memory_bytes(env.device),
                 "compile_time_s": compile_seconds() if t.compile else None}

@@ -32,6 +32,7 @@ from typing import Any
 from torch.autograd.profiler import record_function
 
 from llmpipe import device as dev
+from llmpipe import mfu
 
 log = logging.getLogger("llmpipe.train")
 
@@ -58,10 +59,11 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def breakdown(events, tokens_per_step: int, flops_per_token: float, peak_flops: float,
+def breakdown(events, tokens_per_step: int, flops_per_token: float, peak_flops: float | None,
               first_step: int = 1) -> list[dict[str, Any]]:
-    """Per recorded step: the disjoint parts (ms) of the main thread's time, step time, tokens/s, MFU.
-    `events` is a profiler's `events()`; `first_step` is the (1-based) training step of the first one."""
+    """Per recorded step: the disjoint parts (ms) of the main thread's time, step time, tokens/s, MFU
+    (llmpipe.mfu's, as the training metrics; None without a peak). `events` is a profiler's `events()`;
+    `first_step` is the (1-based) training step of the first one."""
     steps = sorted((e for e in events if _STEP.match(e.name)), key=lambda e: e.time_range.start)
     rows = []
     for i, st in enumerate(steps):
@@ -83,7 +85,7 @@ def breakdown(events, tokens_per_step: int, flops_per_token: float, peak_flops: 
         tok_s = tokens_per_step / (step_us / 1e6) if step_us > 0 else 0.0
         rows.append({"step": first_step + i, "step_ms": step_us / 1e3,
                      **{f"{k}_ms": v / 1e3 for k, v in parts.items()}, "communication_background_ms": background / 1e3,
-                     "tokens_per_s": tok_s, "mfu": flops_per_token * tok_s / peak_flops if peak_flops else 0.0})
+                     "tokens_per_s": tok_s, "mfu": mfu.mfu(tok_s, flops_per_token, peak_flops)})
     return rows
 
 
@@ -92,7 +94,7 @@ class StepProfiler:
     train.profile.enabled. Writes profile/breakdown_rank<r>.json and logs the mean breakdown."""
 
     def __init__(self, cfg, env, out_dir: Path, tokens_per_step: int, flops_per_token: float,
-                 peak_flops: float, first_step: int):
+                 peak_flops: float | None, first_step: int):
         self.cfg, self.env, self.p = cfg, env, cfg.train.profile
         self.folder = Path(out_dir) / "profile"
         self.meta = (tokens_per_step, flops_per_token, peak_flops, first_step)

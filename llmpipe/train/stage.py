@@ -11,6 +11,7 @@ from pathlib import Path
 import yaml
 
 from llmpipe import device as dev
+from llmpipe import mfu
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
 from llmpipe.train import metrics as metrics_mod
@@ -79,10 +80,22 @@ def check_layout(cfg, data_dir: Path) -> None:
                          f"{cfg.train.nproc_per_node} x {nodes} node(s))") from None
 
 
+def calibrate_cpu(cfg) -> None:
+    """Measure this machine's CPU GEMM peak for MFU once, here, before the ranks start: they find it in
+    the artifacts folder's cache instead of each measuring while the others start up."""
+    device = dev.resolve(cfg.run.device)
+    if device.type != "cpu" or cfg.train.peak_tflops is not None:
+        return
+    # the ranks' intra-op threads (llmpipe.train.loop._set_threads, with LOCAL_WORLD_SIZE = nproc_per_node)
+    threads = cfg.train.threads_per_proc or max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)
+    mfu.cpu_peak(dev.precision(device, cfg.train.precision.dtype), threads, mfu.calibration_dir(cfg.run.artifacts_dir))
+
+
 def run(ctx: StageContext) -> StageResult:
     cfg, out = ctx.cfg, ctx.work_dir
     data_dir = ctx.inputs["prepare_data"][0]
     check_layout(cfg, data_dir)
+    calibrate_cpu(cfg)
     config_path = out / "config.yaml"
     tree, warm_start = warm.prepare(ctx)  # an earlier attempt's checkpoint to continue from, if any
     config_path.write_text(yaml.safe_dump(tree, sort_keys=False))

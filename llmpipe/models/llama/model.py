@@ -54,10 +54,6 @@ class ModelArgs:
         n = self.n_layers * block + d + d * self.vocab_size  # blocks, final norm, output head
         return n + (d * self.vocab_size if embeddings else 0)
 
-    def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token: 6N (non-embedding) plus the attention term 12 * L * d * T."""
-        return 6 * self.num_params(embeddings=False) + 12 * self.n_layers * self.dim * seq_len
-
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
