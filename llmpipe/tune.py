@@ -2,7 +2,7 @@
 
 For each bucket_cap_mb value the run's layout trains a few steps under torchrun, with the profiler on
 steps in the middle (not the first, where DDP builds and then rebuilds its buckets, nor the last, which
-saves a checkpoint), into a scratch folder `artifacts/<run>/tune/buckets-<value>/`. Rank 0's breakdown
+saves a checkpoint), into a scratch folder `artifacts/<run>/tune/buckets-<value>[-r<k>]/`. Rank 0's breakdown
 (llmpipe.train.profile) gives tokens/s and the communication the step waits for (exposed). Beside each
 row: the planner's gradient-sync estimate for that bucket size, as `llmpipe plan` computes it (volume at
 the bandwidth plus one latency per bucket). The data come from the run's prepare_data stage, run or
@@ -33,7 +33,6 @@ from llmpipe.errors import UserError
 
 log = logging.getLogger("llmpipe.tune")
 
-DEFAULT_VALUES = (1.0, 5.0, 10.0, 25.0, 50.0, 100.0)
 MIN_STEPS = 4  # skipped, warm-up, recorded, last (checkpoint): one each
 KEY = ("train", "parallel", "bucket_cap_mb")
 
