@@ -3,7 +3,8 @@
 For each bucket_cap_mb value the run's layout trains a few steps under torchrun, with the profiler on
 steps in the middle (not the first, where DDP builds and then rebuilds its buckets, nor the last, which
 saves a checkpoint), into a scratch folder `artifacts/<run>/tune/buckets-<value>[-r<k>]/`. Rank 0's breakdown
-(llmpipe.train.profile) gives tokens/s and the communication the step waits for (exposed). Beside each
+(llmpipe.train.profile) gives tokens/s and the communication the step waits for (exposed); the
+folders (traces, logs, metrics; the checkpoint removed) stay until the next sweep. Beside each
 row: the planner's gradient-sync estimate for that bucket size, as `llmpipe plan` computes it (volume at
 the bandwidth plus one latency per bucket). The data come from the run's prepare_data stage, run or
 reused through the stage machinery; the train stage's folder and checkpoints are never touched.
@@ -209,6 +210,8 @@ def bucket_sweep(cfg: RunConfig, values: list[float], steps: int = 10, bandwidth
     with run_lock(cfg.run_dir()):
         run_stage("prepare_data", cfg)
         data_dir = stage_dir(cfg.run_dir(), "prepare_data")
+        for old in tune_dir(cfg).glob("buckets-*"):  # the previous sweep's (its traces are ~10 MB a rank)
+            shutil.rmtree(old)
         for k in range(total):
             pcfg, r = points[k % len(points)], k // len(points)
             v = pcfg.train.parallel.bucket_cap_mb

@@ -148,8 +148,10 @@ def test_repeats_take_turns_and_a_lead_smaller_than_the_runs_spread_is_called_a_
 
     monkeypatch.setattr(tune, "measure", fake_measure)
     monkeypatch.setattr("llmpipe.stages.run_stage", lambda name, cfg: None)
+    (tune.tune_dir(cfg) / "buckets-7").mkdir(parents=True)  # a previous sweep's: removed
     points = tune.bucket_sweep(cfg, [1.0, 5.0], steps=6, repeats=2)
     assert order == ["buckets-1-r1", "buckets-5-r1", "buckets-1-r2", "buckets-5-r2"]
+    assert not (tune.tune_dir(cfg) / "buckets-7").exists()
     assert [p.tokens_per_s for p in points] == [1025.0, 1000.0]  # all of a value's tokens over all its time
     assert [round(p.spread, 3) for p in points] == [0.05, 0.222]
     table = tune.format_table(cfg, points, 6, 100.0)
