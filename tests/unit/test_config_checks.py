@@ -68,6 +68,13 @@ LOAD_CASES = [
                                         "but 'input_ids:1,128' has none"),
     (["convert_om.input_shape=input_ids:1,-1", "convert_om.dynamic_dims='32'"], "ATC takes 2 to 100 gears, got 1"),
     (["train.max_steps=10000001"], "train.max_steps: Input should be less than or equal to 10000000"),
+    (["train.parallel.data=fsdp", "train.parallel.comm_hook=fp16"],
+     "comm_hook=fp16 applies to torch DDP only (data=ddp, tp=1, pp=1); got data=fsdp, tp=1, pp=1"),
+    (["train.parallel.tp=2", "train.parallel.comm_hook=powersgd"], "comm_hook=powersgd applies to torch DDP only"),
+    (["train.parallel.start_powersgd_iter=1"], "start_powersgd_iter: Input should be greater than or equal to 2"),
+    (["train.compile=true", "train.parallel.data=zero", "train.parallel.zero_stage=3"],
+     "compile=true does not work with ZeRO-3"),
+    (["train.compile=true", "train.parallel.tp=2"], "compile=true with tp > 1 is refused"),
 ]
 
 
