@@ -24,8 +24,11 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# extra arguments for llmpipe run, e.g.  make demo ARGS="--set train.compile=true"
+ARGS ?=
+
 demo: setup
-	$(VENV)/bin/llmpipe run configs/tiny.yaml
+	$(VENV)/bin/llmpipe run configs/tiny.yaml $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -357,6 +357,9 @@ class _Loop:
                 compiled = compile_seconds() - c0
                 if compiled > 0:  # graphs compiled during this step (not a training cost per step)
                     rec["compile_s"] = compiled
+                    if env.main:
+                        log.info("step %d: torch.compile took %.1f s of this step's %.1f s (left out of the "
+                                 "steady tokens/s)", step + 1, compiled, dt)
                 if self.strategy.skipped:
                     rec["skipped"] = True
                 self.writer.step(rec)
