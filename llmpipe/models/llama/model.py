@@ -125,18 +125,13 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         B, _, T, _ = q.shape
-        rep = q.shape[1] // k.shape[1]  # GQA: each kv head serves `rep` query heads
+        rep = q.shape[1] // k.shape[1]
+        if rep > 1:  # GQA: each kv head serves `rep` query heads
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
         if mask is None:
-            # NOTE: SDPA's enable_gqa reads each kv head for its query heads in place; repeating k and v
-            # first costs a copy forward and a sum backward per layer (as transformers' sdpa path, which
-            # does the same). Forward is bitwise the same; k/v gradients differ in summation order only.
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=rep > 1)  # (B, H, T, hd)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
         else:
-            # decoding with a mask (and the graphs exported from it) keeps the explicit repeat, the form
-            # the ONNX/ATC converters were checked with
-            if rep > 1:
-                k = k.repeat_interleave(rep, dim=1)
-                v = v.repeat_interleave(rep, dim=1)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
