@@ -70,7 +70,9 @@ def main() -> None:
           "loss / none | val loss | val / none |")
     print("|---|---|---|---|---|---|---|---|---|")
     for hook, r in rows.items():
-        rel = (lambda k: f"{r[k] / ref[k]:.3f}") if ref else (lambda k: "-")
+        def rel(k: str, r: dict = r) -> str:
+            return f"{r[k] / ref[k]:.3f}" if ref else "-"
+
         print(f"| {hook} | {r['bytes'] / 1e6:.3f} | {rel('bytes')} | {r['step_s'] * 1e3:.1f} | {rel('step_s')} | "
               f"{r['loss']:.4f} | {rel('loss')} | {r['val']:.4f} | {rel('val')} |")
     print("goals: loss within 2% of none for fp16/bf16, within 5% for powersgd")
