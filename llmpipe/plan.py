@@ -67,20 +67,25 @@ def layer_activation_bytes(seq: int, batch: int, dim: int, heads: int, tp: int =
 
 
 def llama_layer_activation_bytes(seq: int, batch: int, dim: int, ffn_dim: int, heads: int, tp: int = 1,
-                                 fp32: bool = False) -> float:
+                                 fp32: bool = False, kv_heads: int | None = None) -> float:
     """One llmpipe LLaMA block's saved activations for `batch` sequences, counted from what autograd keeps
     (SDPA without the s^2 score matrix, SwiGLU, rotary embeddings), per token in elements:
 
         6h + 2          replicated over tp: each RMSNorm keeps its input, its normalised output and the
                         rsqrt (2h + 1), and its weighted output is the next matmuls' saved input (h)
-        (4h + 4f + a)/tp split by tp: q/k/v after rotary, attention output (+ a log-sum-exp per head),
-                        wo's input; w1 and w3 outputs, SiLU output and the product w2 reads
+        (2h + 2k + 4f + a)/tp
+                        split by tp: q after rotary (h), k after rotary and v (k each: kv_heads x
+                        head_dim, what SDPA's enable_gqa keeps), the attention output (h, + a log-sum-exp
+                        per head), wo's input; w1 and w3 outputs, SiLU output and the product w2 reads
 
+    kv_heads None (or = heads) is multi-head attention, or GQA where the model repeats k and v before
+    SDPA (on the NPU: model.Attention._attend), which keeps them at `heads`.
     fp32: 4 bytes each. bf16 autocast: the norms' fp32 internals (4h + 2) stay 4 bytes, the rest 2.
     Matches torch.autograd's saved tensors of a TransformerBlock exactly in fp32 (tests/unit/test_plan.py).
     """
     h, f, a = dim, ffn_dim, heads
-    split = (4 * h + 4 * f + a) / tp
+    k = h * (kv_heads or heads) // heads
+    split = (2 * h + 2 * k + 4 * f + a) / tp
     per_token = 4 * (6 * h + 2 + split) if fp32 else 4 * (4 * h + 2) + 2 * (2 * h + split)
     return seq * batch * per_token
 
@@ -139,6 +144,8 @@ class Setup:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reshard_after_forward: bool = True
+    gqa_in_sdpa: bool = True  # GQA k/v kept at n_kv_heads (SDPA's enable_gqa); False on the NPU, which repeats them
+    fused_adamw: bool = False  # torch's fused AdamW (optim.adamw_implementation: on CPU), no step temporaries
 
     @property
     def world(self) -> int:
@@ -174,7 +181,8 @@ def setup_from_config(cfg: RunConfig, world_size: int | None = None) -> Setup:
                  offload_optimizer=par.offload_optimizer != "none", offload_param=par.offload_param != "none",
                  bucket_cap_mb=par.bucket_cap_mb, reduce_bucket_size=par.reduce_bucket_size,
                  allgather_bucket_size=par.allgather_bucket_size, overlap_comm=par.overlap_comm,
-                 contiguous_gradients=par.contiguous_gradients, reshard_after_forward=par.reshard_after_forward)
+                 contiguous_gradients=par.contiguous_gradients, reshard_after_forward=par.reshard_after_forward,
+                 gqa_in_sdpa=cfg.run.device != "npu", fused_adamw=cfg.run.device == "cpu")
 
 
 @dataclass(frozen=True)
@@ -252,13 +260,15 @@ def _working_bytes(s: Setup, st: StageParams) -> int:
 def _step_bytes(s: Setup, n: int) -> int:
     """Temporaries of the optimizer step on the device (benchmarks/build_memory.py): torch's foreach
     AdamW allocates its denominator, one fp32 tensor per optimizer parameter it updates (4 B/param,
-    measured for DDP and FSDP2 within 1%). Under ZeRO, DeepSpeed also hands the fp32 master partition
-    an fp32 gradient of its own and copies the updated master back: ZeRO-3 measured 12 B per local
-    parameter in all; stages 1/2 are taken as 8 (not measured). Activations are freed by then, so the
-    peak is the larger of this and forward/backward's working set."""
+    measured for DDP and FSDP2 within 1%); the fused AdamW used on CPU allocates none. Under ZeRO,
+    DeepSpeed also hands the fp32 master partition an fp32 gradient of its own and copies the updated
+    master back: ZeRO-3 measured 12 B per local parameter in all, with foreach and with fused AdamW
+    alike (4.57 and 4.43 GiB peaks of benchmarks/build_memory.py's 285M model); stages 1/2 are taken as
+    8 (not measured). Activations are freed by then, so the peak is the larger of this and
+    forward/backward's working set."""
     local = n if s.data == "ddp" else n / s.dp  # the parameters this device's optimizer updates
     if s.data != "zero":
-        return int(4 * local)
+        return 0 if s.fused_adamw else int(4 * local)
     return 0 if s.offload_optimizer else int((12 if s.zero_stage == 3 else 8) * local)
 
 
@@ -279,7 +289,8 @@ def _activation_bytes(s: Setup, r: int, checkpointing: bool) -> float:
     b = s.micro // s.microbatches if s.pp > 1 else s.micro
     a = s.args
     n, layers = _in_flight(s, r)
-    full = llama_layer_activation_bytes(s.seq_len, b, a.dim, a.ffn_dim, a.n_heads, s.tp, s.fp32)
+    full = llama_layer_activation_bytes(s.seq_len, b, a.dim, a.ffn_dim, a.n_heads, s.tp, s.fp32,
+                                        a.n_kv_heads if s.gqa_in_sdpa else None)
     if checkpointing:
         kept = n * layers * checkpointed_layer_bytes(s.seq_len, b, a.dim, s.fp32) + full  # + one recomputed layer
     else:

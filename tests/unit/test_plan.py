@@ -153,7 +153,7 @@ def test_activations_with_and_without_checkpointing(tmp_path, precision):
     p = plan.plan(cfg)
     fp32 = precision == "fp32"
     s, b, h, a, L, V = 32, 4, 64, 4, 2, 8192
-    layer = plan.llama_layer_activation_bytes(s, b, h, 176, a, fp32=fp32)
+    layer = plan.llama_layer_activation_bytes(s, b, h, 176, a, fp32=fp32, kv_heads=2)
     logits = b * s * V * 4
     assert p.memory.activations_full == int(L * layer + logits)
     assert p.memory.activations_checkpointed == int(L * plan.checkpointed_layer_bytes(s, b, h, fp32) + layer + logits)
@@ -168,7 +168,7 @@ def test_pipeline_first_stage_holds_micro_batches_in_flight(tmp_path, schedule, 
     cfg = make_cfg(tmp_path, model={"flavor": "debug", "n_layers": 4},
                    train={"micro_batch_size": 8, "parallel": {"pp": 2, "pp_schedule": schedule, "microbatches": 4}})
     first = plan.memory(plan.setup_from_config(cfg, 2))[0]
-    layer = plan.llama_layer_activation_bytes(32, 8 // 4, 64, 176, 4, fp32=True)  # pipeline micro-batches of 2
+    layer = plan.llama_layer_activation_bytes(32, 8 // 4, 64, 176, 4, fp32=True, kv_heads=2)  # micro-batches of 2
     assert first.activations_full == int(in_flight * 2 * layer)  # 2 layers on stage 0, no logits there
 
 
@@ -264,9 +264,10 @@ def _saved_bytes(block, x, cos, sin) -> int:
     return total
 
 
-@pytest.mark.parametrize("dim, heads, kv, ffn, batch, seq", [(256, 4, 4, 768, 2, 64), (512, 8, 2, 1376, 2, 128),
-                                                             (192, 6, 2, 512, 4, 32)])
-def test_llama_activation_count_matches_what_autograd_saves(dim, heads, kv, ffn, batch, seq):
+@pytest.mark.parametrize("dim, heads, kv, ffn, batch, seq, paper_misses",
+                         [(256, 4, 4, 768, 2, 64, True), (512, 8, 2, 1376, 2, 128, True),
+                          (192, 6, 2, 512, 4, 32, False)])  # the last: its errors cancel to 0.6%
+def test_llama_activation_count_matches_what_autograd_saves(dim, heads, kv, ffn, batch, seq, paper_misses):
     """Planned vs measured activations of one block (fp32, CPU): within 1% (exact in practice)."""
     import torch
 
@@ -276,7 +277,10 @@ def test_llama_activation_count_matches_what_autograd_saves(dim, heads, kv, ffn,
     cos, sin = (t[:seq] for t in rope_cache(args))
     x = torch.randn(batch, seq, dim, requires_grad=True)
     measured = _saved_bytes(TransformerBlock(args), x, cos, sin)
-    planned = plan.llama_layer_activation_bytes(seq, batch, dim, ffn, heads, fp32=True)
+    planned = plan.llama_layer_activation_bytes(seq, batch, dim, ffn, heads, fp32=True, kv_heads=kv)
     assert planned == pytest.approx(measured, rel=0.01)
     # the GPT-shaped paper formula misses it (no SwiGLU; an s^2 score matrix SDPA does not keep)
-    assert abs(plan.layer_activation_bytes(seq, batch, dim, heads, fp32=True) / measured - 1) > 0.05
+    paper = plan.layer_activation_bytes(seq, batch, dim, heads, fp32=True)
+    assert (abs(paper / measured - 1) > 0.05) == paper_misses, paper / measured
+    if kv < heads:  # counting k and v at n_heads (the repeat the NPU keeps) would over-count here
+        assert plan.llama_layer_activation_bytes(seq, batch, dim, ffn, heads, fp32=True) > 1.03 * measured

@@ -125,12 +125,19 @@ class Attention(nn.Module):
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         B, _, T, _ = q.shape
-        rep = q.shape[1] // k.shape[1]
-        if rep > 1:  # GQA: each kv head serves `rep` query heads
+        rep = q.shape[1] // k.shape[1]  # GQA: each kv head serves `rep` query heads
+        # NOTE: without a mask (training, the full pass) SDPA's enable_gqa reads each kv head for its query
+        # heads in place, as transformers' sdpa path does: repeating k and v first costs a copy forward and a
+        # sum backward per layer, and autograd then keeps k and v at n_kv_heads (plan.py counts that).
+        # Forward is bitwise the same; k/v gradients differ from the repeat's in summation order only.
+        # Masked decoding (and the ONNX graphs exported from it) keeps the explicit repeat, the form the
+        # ONNX/ATC converters were checked with; so does the NPU until torch_npu's SDPA is checked with it.
+        gqa = rep > 1 and mask is None and q.device.type in ("cpu", "cuda")
+        if rep > 1 and not gqa:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
         if mask is None:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, hd)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)  # (B, H, T, hd)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
