@@ -150,9 +150,8 @@ def measure(cfg: RunConfig, data_dir: Path, folder: Path) -> list[dict[str, Any]
     """Train `cfg` (a point_config) under torchrun into `folder` (emptied first); rank 0's profiled steps
     (llmpipe.train.profile's breakdown rows). The checkpoint is removed after."""
     from llmpipe.train.launch import TORCHRUN_LOGS, run_streaming, torchrun_argv
-    from llmpipe.train.stage import _env as launch_env  # the train stage's rank environment
     from llmpipe.train.stage import check_layout as check_world
-    from llmpipe.train.stage import failure
+    from llmpipe.train.stage import failure, rank_env
 
     check_world(cfg, data_dir)
     if folder.exists():
@@ -161,7 +160,7 @@ def measure(cfg: RunConfig, data_dir: Path, folder: Path) -> list[dict[str, Any]
     config_path = folder / "config.yaml"
     config_path.write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
     argv = torchrun_argv(cfg.train.nproc_per_node, config_path, data_dir, folder)
-    env = launch_env(cfg)
+    env = rank_env(cfg)
     agent_file = folder / TORCHRUN_LOGS / "agent-error-node0.json"
     env["TORCHELASTIC_ERROR_FILE"] = str(agent_file)
     since = time.time()

@@ -21,7 +21,9 @@ from llmpipe.train.launch import TORCHRUN_LOGS, deepspeed_argv, run_streaming, t
 log = logging.getLogger("llmpipe.train")
 
 
-def _env(cfg) -> dict[str, str]:
+def rank_env(cfg) -> dict[str, str]:
+    """The environment the train stage launches its ranks with (the device's distributed settings,
+    OMP threads per rank, unbuffered output); `llmpipe tune` launches its short runs with it too."""
     env = dict(os.environ)
     env.update(dev.dist_env(cfg.run.device, cfg.train.dist_timeout_s, cfg.train.hccl))
     env.setdefault("OMP_NUM_THREADS", str(cfg.train.threads_per_proc or
@@ -101,7 +103,7 @@ def run(ctx: StageContext) -> StageResult:
     config_path.write_text(yaml.safe_dump(tree, sort_keys=False))
     argv = _launch_argv(cfg, config_path, data_dir, out)
     log.info("launching: %s", " ".join(argv))
-    env, agent_file = _env(cfg), None
+    env, agent_file = rank_env(cfg), None
     if argv[1:3] == ["-m", "torch.distributed.run"]:  # torchrun's own @record: its exit reason
         agent_file = out / TORCHRUN_LOGS / f"agent-error-node{cfg.train.node_rank}.json"
         agent_file.unlink(missing_ok=True)  # a previous attempt's
