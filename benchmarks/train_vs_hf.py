@@ -10,7 +10,8 @@ on; evaluation and the final checkpoint fall outside the measured steps. Its ste
 (llmpipe.models.llama.hf names), the loop's micro-batches pre-made as tensors, a token-mean
 cross-entropy on the logits, clip_grad_norm_ and torch AdamW with the same hyperparameters and
 parameter groups (decay on matrices only), torch's defaults otherwise (on CPU: the single-tensor
-AdamW loop).
+AdamW loop; --hf-adamw fused gives it the fused AdamW llmpipe uses on CPU, which leaves the model and
+the loop as the only difference).
 
 The two run in pairs: each time llmpipe's loop logs a step, one HF step runs on the same batch
 (a metrics-writer hook), so load from other work on a shared machine hits both alike. Steady state:
@@ -72,7 +73,7 @@ def batches(cfg, data_dir: Path) -> list[tuple[torch.Tensor, torch.Tensor]]:
 class HFLoop:
     """A plain training loop over LlamaForCausalLM holding llmpipe's initial weights for cfg.run.seed."""
 
-    def __init__(self, cfg, data: list, vocab: int):
+    def __init__(self, cfg, data: list, vocab: int, adamw: str = "default"):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         args = model_args(cfg.model, vocab_size=vocab)
@@ -88,7 +89,7 @@ class HFLoop:
         self.opt = torch.optim.AdamW(
             [{"params": [p for p in self.params if p.ndim >= 2], "weight_decay": o.weight_decay},
              {"params": [p for p in self.params if p.ndim < 2], "weight_decay": 0.0}],
-            lr=o.lr, betas=tuple(o.betas), eps=o.eps)
+            lr=o.lr, betas=tuple(o.betas), eps=o.eps, fused=True if adamw == "fused" else None)
         self.data, self.wall, self.cpu, self.first_loss = data, [], [], None
 
     def step(self, i: int) -> None:
@@ -138,6 +139,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=None, help="pairs per flavor (default: per flavor)")
     p.add_argument("--warmup", type=int, default=3, help="pairs dropped at the start")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--hf-adamw", choices=["default", "fused"], default="default",
+                   help="the HF loop's AdamW: torch's default for CPU (the per-tensor loop), or the fused one "
+                        "llmpipe uses on CPU (isolates the model and loop from the optimizer)")
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,7 +150,7 @@ def main() -> None:
             mb, steps = SHAPES[flavor][0], a.steps or SHAPES[flavor][1]
             cfg = config(tmp / flavor, flavor, steps, a.threads)
             data_dir = make_data_dir(tmp / flavor / "data", seq_len=SEQ, vocab=VOCAB, n_docs=1000)
-            hf = HFLoop(cfg, batches(cfg, data_dir), VOCAB)
+            hf = HFLoop(cfg, batches(cfg, data_dir), VOCAB, a.hf_adamw)
             wall, cpu, loss = paired_run(cfg, data_dir, tmp / flavor / "out", hf)
             if abs(loss - hf.first_loss) > 1e-4:
                 raise SystemExit(f"{flavor}: first-step losses differ (llmpipe {loss}, HF {hf.first_loss}): "
@@ -160,7 +164,7 @@ def main() -> None:
             print(f"{flavor}: first-step loss llmpipe {loss:.6f}, HF {hf.first_loss:.6f}; step s llmpipe "
                   f"{' '.join(f'{t:.2f}' for t in wall)}; HF {' '.join(f'{t:.2f}' for t in hf.wall)}", flush=True)
     print(f"\nCPU fp32, {a.threads} threads, 1 process, seq_len {SEQ}, vocab {VOCAB}; median of the steady "
-          f"pairs (first {a.warmup} dropped)\n")
+          f"pairs (first {a.warmup} dropped); HF's AdamW: {a.hf_adamw}\n")
     print("| flavor | micro-batch | llmpipe tok/s | HF tok/s | ratio | per-pair ratio, quartiles | "
           "ratio in CPU time | goal |")
     print("|---|---|---|---|---|---|---|---|")
