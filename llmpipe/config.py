@@ -387,7 +387,11 @@ class TrainSection(Section):
                              "storage around every block); use zero_stage 1 or 2, or data=fsdp")
         if self.compile and p.tp > 1:
             # NOTE: measured on torch 2.13 (CPU, gloo): compiled tensor-parallel blocks trained with
-            # gradient norms 0.7% off eager's from the first step (pp, DDP, FSDP2, ZeRO-2 match eager)
+            # gradient norms 0.7% off eager's from the first step (pp, DDP, FSDP2, ZeRO-2 match eager);
+            # a bare TP model's compiled backward raises in DTensor's Redistribute backward (a plain
+            # tensor where a DTensor was expected), and with sequence_parallel the compiled block matches
+            # eager on its own but the train stage's run raises in AOT autograd's subclass wrapper
+            # ('Tensor' object has no attribute 'elem'). Lift when torch's DTensor + compile does.
             raise ValueError("compile=true with tp > 1 is refused: torch 2.13's compiled tensor-parallel "
                              "blocks gave gradients that differ from eager; use tp=1 or compile=false")
         return self
