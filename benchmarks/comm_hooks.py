@@ -1,7 +1,11 @@
 """DDP communication hooks on 2 gloo ranks, the demo model and data: bytes each rank all-reduces per
 step, step time and the loss reached, each against uncompressed DDP in the same run.
 
-    python benchmarks/comm_hooks.py [--steps 200] [--hooks none,fp16,bf16,powersgd] [--rank 4]
+    python benchmarks/comm_hooks.py [--steps 200] [--hooks none,fp16,bf16,powersgd] [--rank 4] [--start S]
+
+A PowerSGD entry may carry its own rank and start, `powersgd:RANK@START` (e.g. `--hooks
+none,powersgd@15,powersgd@50,powersgd:8@15`), for a sweep in one run; plain `powersgd` takes --rank
+and --start (default: the config's, start_powersgd_iter unset = the end of the lr warm-up).
 
 The demo config (configs/tiny.yaml: ~5M parameters, DDP on 2 ranks, global batch 32 x 128 tokens)
 trains `--steps` steps once per hook (prepare_data once, shared). Bytes are what each rank hands to
@@ -36,7 +40,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--hooks", default="none,fp16,bf16,powersgd")
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank (default 4)")
-    p.add_argument("--start", type=int, default=10, help="PowerSGD's start_powersgd_iter (default 10)")
+    p.add_argument("--start", type=int, default=None,
+                   help="PowerSGD's start_powersgd_iter (default: the config's, the end of the lr warm-up)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -46,26 +51,33 @@ def main() -> None:
         stages.run_stage("prepare_data", cfg)
         data = stages.stage_dir(cfg.run_dir(), "prepare_data")
         rows = {}
-        for hook in a.hooks.split(","):
+        for entry in a.hooks.split(","):
+            hook, rank, start = _entry(entry, a.rank, a.start)
             h = config_mod.load(ROOT / "configs" / "tiny.yaml", base + [
-                f"train.parallel.comm_hook={hook}", f"train.parallel.powersgd_rank={a.rank}",
-                f"train.parallel.start_powersgd_iter={a.start}"])
-            out = root / hook
+                f"train.parallel.comm_hook={hook}", f"train.parallel.powersgd_rank={rank}"]
+                + ([f"train.parallel.start_powersgd_iter={start}"] if start is not None else []))
+            start = h.train.parallel.start_powersgd_iter if hook == "powersgd" else None
+            if hook == "powersgd" and start is None:
+                from llmpipe.optim import warmup_steps
+
+                start = max(2, warmup_steps(h))
+            out = root / entry.replace(":", "-").replace("@", "-")
             code, text = torchrun(h, data, out, nproc=h.train.nproc_per_node)
             if code != 0:
                 raise SystemExit(f"{hook} failed:\n{text[-3000:]}")
             recs = [r for r in metrics.read(out / "metrics.jsonl") if "loss" in r]
-            steady = recs[a.start:]
+            steady = recs[start or 0:]
             summary = json.loads((out / "summary.json").read_text())
-            rows[hook] = {"bytes": statistics.mean(r["comm_bytes"] for r in steady),
+            name = f"powersgd (rank {rank}, from step {start})" if hook == "powersgd" else hook
+            rows[name] = {"bytes": statistics.mean(r["comm_bytes"] for r in steady),
                           "step_s": statistics.median(r["step_time_s"] for r in steady),
                           "loss": statistics.mean(r["loss"] for r in recs[-10:]), "val": summary["val_loss"]}
-            r = rows[hook]
-            print(f"{hook}: {r['bytes'] / 1e6:.3f} MB/step, {r['step_s'] * 1e3:.1f} ms/step, loss {r['loss']:.4f}, "
+            r = rows[name]
+            print(f"{name}: {r['bytes'] / 1e6:.3f} MB/step, {r['step_s'] * 1e3:.1f} ms/step, loss {r['loss']:.4f}, "
                   f"val {r['val']:.4f}", flush=True)
     ref = rows.get("none")
-    print(f"\ncomm hooks: configs/tiny.yaml, DDP on 2 gloo ranks (CPU), {a.steps} steps, PowerSGD rank {a.rank} "
-          f"from step {a.start}; per rank, steps {a.start + 1}-{a.steps}")
+    print(f"\ncomm hooks: configs/tiny.yaml, DDP on 2 gloo ranks (CPU), {a.steps} steps; bytes and step time "
+          "per rank over the steps after PowerSGD's start (all steps for the others)")
     print("| hook | MB all-reduced / step | bytes / none | step ms | step time / none | loss (last 10) | "
           "loss / none | val loss | val / none |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -76,6 +88,13 @@ def main() -> None:
         print(f"| {hook} | {r['bytes'] / 1e6:.3f} | {rel('bytes')} | {r['step_s'] * 1e3:.1f} | {rel('step_s')} | "
               f"{r['loss']:.4f} | {rel('loss')} | {r['val']:.4f} | {rel('val')} |")
     print("goals: loss within 2% of none for fp16/bf16, within 5% for powersgd")
+
+
+def _entry(entry: str, rank: int, start: int | None) -> tuple[str, int, int | None]:
+    """'powersgd:8@50' -> ('powersgd', 8, 50); other hooks and plain 'powersgd' take the defaults."""
+    hook, _, at = entry.partition("@")
+    hook, _, r = hook.partition(":")
+    return hook, int(r) if r else rank, int(at) if at else start
 
 
 if __name__ == "__main__":
