@@ -54,6 +54,11 @@ class DDPStrategy(TorchOptimizerStrategy):
         elif cfg.train.parallel.comm_hook != "none" and env.main:
             log.info("train.parallel.comm_hook=%s: one process communicates nothing; the hook is not used",
                      cfg.train.parallel.comm_hook)
+        par = cfg.train.parallel
+        if self.hook is not None and par.comm_hook == "powersgd" and par.start_powersgd_iter >= cfg.train.max_steps \
+                and env.main:
+            log.warning("train.parallel.start_powersgd_iter=%d >= train.max_steps=%d: PowerSGD never compresses "
+                        "in this run (every step is a plain all-reduce)", par.start_powersgd_iter, cfg.train.max_steps)
         self.opt, self.sched = build_optimizer(model, cfg, env.world)
         ls = cfg.train.precision.loss_scale
         self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
