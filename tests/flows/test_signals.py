@@ -65,6 +65,13 @@ def _still_running(tracked: set[tuple[int, str]], marker: str) -> list[str]:
     return lines
 
 
+def _default_sigint() -> None:
+    """In the child before exec: SIGINT back to its default. A suite started in the background of a
+    non-interactive shell (`pytest &`, nohup) ignores SIGINT, children inherit that, and Python then
+    installs no KeyboardInterrupt handler: `llmpipe run` would rightly ignore the test's Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _start_training(tmp_path: Path) -> tuple[subprocess.Popen, Path, set[tuple[int, str]], dict]:
     """`llmpipe run` (own session, own Prefect home, TMPDIR in tmp_path) on a run that trains far
     longer than the test waits; returns once a checkpoint is on disk, with every descendant seen."""
@@ -78,7 +85,7 @@ def _start_training(tmp_path: Path) -> tuple[subprocess.Popen, Path, set[tuple[i
     env.pop("PREFECT_API_URL", None)
     env.pop("PREFECT_LOGGING_LEVEL", None)  # the default level, as a user has it
     proc = subprocess.Popen([LLMPIPE, "run", str(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
+                            text=True, env=env, start_new_session=True, preexec_fn=_default_sigint)
     partial = tmp_path / "artifacts" / "flowtest" / ".02_train.partial"
     tracked: set[tuple[int, str]] = set()
     deadline = time.monotonic() + 300  # a guard against a hang, not a measurement
