@@ -1,6 +1,6 @@
-"""train.compile on 2 gloo ranks: per-block torch.compile (inductor) under DDP, FSDP2 and pipeline
-parallel (1F1B) trains to the eager losses within 1e-4 over 10 fp32 steps, and the compile time is reported
-apart from the step times."""
+"""train.compile on 2 gloo ranks: per-block torch.compile (inductor) under DDP, FSDP2, ZeRO-2 and
+pipeline parallel (1F1B) trains to the eager losses within 1e-4 over 10 fp32 steps, and the compile
+time is reported apart from the step times."""
 
 from __future__ import annotations
 
@@ -28,10 +28,12 @@ def _steps(out):
 @pytest.mark.parametrize("layout, eager", [
     ("ddp", "ddp"),
     ("fsdp", "ddp"),  # FSDP2 trains to DDP's losses (tests/integration/test_fsdp.py)
+    ("zero2", "ddp"),  # so does ZeRO-2 in fp32 (tests/integration/test_zero.py: within 1e-5)
     ("pp", "pp"),
 ])
 def test_compiled_blocks_train_to_the_eager_losses(run, layout, eager):
-    parallel = {"ddp": {}, "fsdp": {"data": "fsdp"}, "pp": {"pp": 2, "microbatches": 2}}
+    parallel = {"ddp": {}, "fsdp": {"data": "fsdp"}, "zero2": {"data": "zero", "zero_stage": 2},
+                "pp": {"pp": 2, "microbatches": 2}}
     compiled = run(f"{layout}-compiled", train__compile=True, train__parallel=parallel[layout])
     reference = run(f"{eager}-eager", train__parallel=parallel[eager])
     a, b = _steps(compiled), _steps(reference)
