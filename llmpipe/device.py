@@ -209,6 +209,14 @@ def cann_toolkit_dirs() -> list[str]:
     return dirs
 
 
+def fused_adamw(device_types: set[str]) -> bool:
+    """Whether torch's fused AdamW is used (optim.build_optimizer): when every parameter is on the CPU,
+    where it is one pass per tensor with no temporaries (a small-flavor step 55 ms against foreach's
+    326; benchmarks/train_vs_hf.py). Accelerators keep foreach, the implementation the planner's step
+    temporaries were measured with; torch_npu's fused kernels are not checked yet."""
+    return device_types == {"cpu"}
+
+
 def compile_backend(device: torch.device):
     """torch.compile's backend for `device`: inductor on CPU and CUDA, torchair's on NPU. Raises
     RuntimeError with one line when the backend cannot work here: inductor generates C++ on CPU (and

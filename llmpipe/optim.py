@@ -18,6 +18,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from llmpipe import device as dev
+
 
 def decay_start(total: int, warmup: int, decay_fraction: float) -> int:
     """wsd: the first optimizer step (0-based) whose lr is below the peak."""
@@ -100,29 +102,17 @@ def param_order(model: nn.Module) -> list[str]:
     return [name.replace("_checkpoint_wrapped_module.", "") for ps in _groups(model).values() for name, _ in ps]
 
 
-def adamw_implementation(device_types: set[str]) -> str:
-    """"fused" when every parameter lives on the CPU, else "foreach".
-
-    On CPU torch's fused AdamW is one pass per tensor with no temporaries: a step of the small flavor
-    takes 55 ms against foreach's 326 ms (which allocates a denominator per parameter; transformers'
-    per-tensor loop takes 231 ms), and the peak memory drops by those 4 B/param
-    (benchmarks/train_vs_hf.py, benchmarks/build_memory.py). On accelerators foreach stays: it is the
-    implementation the planner's step temporaries were measured with, and torch_npu's fused kernels
-    are not checked yet."""
-    return "fused" if device_types == {"cpu"} else "foreach"
-
-
 def build_optimizer(model: nn.Module, cfg, world: int | None = None):
     """AdamW over `model`'s parameters (decay on matrices only) and its LambdaLR schedule (peak lr
     scaled by the global batch and warm-up in micro-batches when the config asks). Parameters are
     grouped by DTensor mesh as well, since foreach kernels take one mesh per call; groups come in the
     order their first parameter appears (matrices first in a LLaMA block). The implementation is
-    adamw_implementation's: the same update either way, within rounding."""
+    llmpipe.device.fused_adamw's choice, fused or foreach: the same update either way, within rounding."""
     o = cfg.train.optim
     if world is None:
         world = dist.get_world_size() if dist.is_initialized() else 1
     groups = _groups(model)
-    impl = adamw_implementation({p.device.type for ps in groups.values() for _, p in ps})
+    impl = "fused" if dev.fused_adamw({p.device.type for ps in groups.values() for _, p in ps}) else "foreach"
     opt = torch.optim.AdamW([{"params": [p for _, p in ps], "weight_decay": o.weight_decay if decay else 0.0}
                              for (decay, _), ps in groups.items()],
                             lr=peak_lr(cfg, world), betas=tuple(o.betas), eps=o.eps, **{impl: True})

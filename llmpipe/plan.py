@@ -27,7 +27,7 @@ from llmpipe import device
 from llmpipe import mfu as mfu_mod
 from llmpipe.config import ConfigError, RunConfig
 from llmpipe.models.llama.flavors import model_args
-from llmpipe.models.llama.model import ModelArgs
+from llmpipe.models.llama.model import ModelArgs, sdpa_enable_gqa
 from llmpipe.parallel import mesh, pipeline
 
 GIB = 1 << 30
@@ -144,8 +144,9 @@ class Setup:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reshard_after_forward: bool = True
-    gqa_in_sdpa: bool = True  # GQA k/v kept at n_kv_heads (SDPA's enable_gqa); False on the NPU, which repeats them
-    fused_adamw: bool = False  # torch's fused AdamW (optim.adamw_implementation: on CPU), no step temporaries
+    # llmpipe.device's choices for run.device (auto: the accelerator's, so repeated k/v and foreach AdamW)
+    gqa_in_sdpa: bool = True  # GQA k/v kept at n_kv_heads (SDPA's enable_gqa), not repeated to n_heads
+    fused_adamw: bool = False  # torch's fused AdamW: no step temporaries
 
     @property
     def world(self) -> int:
@@ -182,7 +183,7 @@ def setup_from_config(cfg: RunConfig, world_size: int | None = None) -> Setup:
                  bucket_cap_mb=par.bucket_cap_mb, reduce_bucket_size=par.reduce_bucket_size,
                  allgather_bucket_size=par.allgather_bucket_size, overlap_comm=par.overlap_comm,
                  contiguous_gradients=par.contiguous_gradients, reshard_after_forward=par.reshard_after_forward,
-                 gqa_in_sdpa=cfg.run.device != "npu", fused_adamw=cfg.run.device == "cpu")
+                 gqa_in_sdpa=sdpa_enable_gqa(cfg.run.device), fused_adamw=device.fused_adamw({cfg.run.device}))
 
 
 @dataclass(frozen=True)

@@ -284,3 +284,24 @@ def test_llama_activation_count_matches_what_autograd_saves(dim, heads, kv, ffn,
     assert (abs(paper / measured - 1) > 0.05) == paper_misses, paper / measured
     if kv < heads:  # counting k and v at n_heads (the repeat the NPU keeps) would over-count here
         assert plan.llama_layer_activation_bytes(seq, batch, dim, ffn, heads, fp32=True) > 1.03 * measured
+
+
+@pytest.mark.parametrize("device, gqa, fused", [("cpu", True, True), ("npu", False, False), ("cuda", True, False),
+                                                ("auto", False, False)])
+def test_the_plan_follows_the_devices_attention_and_adamw(tmp_path, device, gqa, fused):
+    """k/v at n_kv_heads where SDPA's enable_gqa is used (CPU, CUDA), repeated to n_heads elsewhere;
+    no AdamW step temporaries where AdamW is fused (CPU); `auto` plans for an accelerator's choices."""
+    from llmpipe.optim import build_optimizer
+
+    cfg = make_cfg(tmp_path, run={"device": device}, train={"micro_batch_size": 4})
+    s = plan.setup_from_config(cfg)
+    assert (s.gqa_in_sdpa, s.fused_adamw) == (gqa, fused)
+    kv = cfg.model.n_kv_heads or FLAVORS["debug"].n_kv_heads
+    assert kv < FLAVORS["debug"].n_heads  # the debug flavor is GQA: the two counts differ
+    m = plan.memory(s)[0]
+    assert (m.step == 0) == fused
+    layer = plan.llama_layer_activation_bytes(32, 4, 64, 176, 4, fp32=True, kv_heads=kv if gqa else None)
+    assert m.activations_full == int(2 * layer + 4 * 32 * 8192 * 4)
+    if device == "cpu":  # what training builds there
+        opt, _ = build_optimizer(Transformer(FLAVORS["debug"]), cfg, world=1)
+        assert opt.defaults["fused"] and not opt.defaults["foreach"]

@@ -106,6 +106,14 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + rotate_half(x) * sin).to(x.dtype)
 
 
+def sdpa_enable_gqa(device_type: str) -> bool:
+    """Whether grouped-query attention goes through SDPA's `enable_gqa` (k and v read in place at
+    n_kv_heads) rather than an explicit repeat of k and v: on CPU and CUDA. The NPU keeps the repeat
+    until torch_npu's SDPA is checked with enable_gqa; llmpipe.plan counts either way. (Here, not in
+    llmpipe.device: this module imports nothing of llmpipe's.)"""
+    return device_type in ("cpu", "cuda")
+
+
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -131,8 +139,8 @@ class Attention(nn.Module):
         # sum backward per layer, and autograd then keeps k and v at n_kv_heads (plan.py counts that).
         # Forward is bitwise the same; k/v gradients differ from the repeat's in summation order only.
         # Masked decoding (and the ONNX graphs exported from it) keeps the explicit repeat, the form the
-        # ONNX/ATC converters were checked with; so does the NPU until torch_npu's SDPA is checked with it.
-        gqa = rep > 1 and mask is None and q.device.type in ("cpu", "cuda")
+        # ONNX/ATC converters were checked with; so does the NPU (sdpa_enable_gqa).
+        gqa = rep > 1 and mask is None and sdpa_enable_gqa(q.device.type)
         if rep > 1 and not gqa:
             k = k.repeat_interleave(rep, dim=1)
             v = v.repeat_interleave(rep, dim=1)
