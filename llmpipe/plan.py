@@ -144,7 +144,7 @@ class Setup:
     overlap_comm: bool = True
     contiguous_gradients: bool = True
     reshard_after_forward: bool = True
-    # llmpipe.device's choices for run.device (auto: the accelerator's, so repeated k/v and foreach AdamW)
+    # the choices training makes on run.device (auto: planned as for the NPU, repeated k/v and foreach AdamW)
     gqa_in_sdpa: bool = True  # GQA k/v kept at n_kv_heads (SDPA's enable_gqa), not repeated to n_heads
     fused_adamw: bool = False  # torch's fused AdamW: no step temporaries
 
