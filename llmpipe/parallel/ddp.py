@@ -47,16 +47,14 @@ class DDPStrategy(TorchOptimizerStrategy):
         self.cfg, self.env = cfg, env
         self.model = model = build_part(cfg, env, args)
         self.module = apply_ddp(model, env.device, cfg.train.parallel) if env.world > 1 else model
-        self.hook = None
+        self.hook, par = None, cfg.train.parallel
         if env.world > 1:
-            self.hook = CommHook(cfg.train.parallel, self.module, {id(p): clean_name(n) for n, p in
-                                                                   model.named_parameters()})
-        elif cfg.train.parallel.comm_hook != "none" and env.main:
+            self.hook = CommHook(par, self.module, {id(p): clean_name(n) for n, p in model.named_parameters()})
+        elif par.comm_hook != "none" and env.main:
             log.info("train.parallel.comm_hook=%s: one process communicates nothing; the hook is not used",
-                     cfg.train.parallel.comm_hook)
-        par = cfg.train.parallel
-        if self.hook is not None and par.comm_hook == "powersgd" and par.start_powersgd_iter >= cfg.train.max_steps \
-                and env.main:
+                     par.comm_hook)
+        if env.main and self.hook is not None and par.comm_hook == "powersgd" \
+                and par.start_powersgd_iter >= cfg.train.max_steps:
             log.warning("train.parallel.start_powersgd_iter=%d >= train.max_steps=%d: PowerSGD never compresses "
                         "in this run (every step is a plain all-reduce)", par.start_powersgd_iter, cfg.train.max_steps)
         self.opt, self.sched = build_optimizer(model, cfg, env.world)

@@ -290,7 +290,7 @@ def test_llama_activation_count_matches_what_autograd_saves(dim, heads, kv, ffn,
                                                 ("auto", False, False)])
 def test_the_plan_follows_the_devices_attention_and_adamw(tmp_path, device, gqa, fused):
     """k/v at n_kv_heads where SDPA's enable_gqa is used (CPU, CUDA), repeated to n_heads elsewhere;
-    no AdamW step temporaries where AdamW is fused (CPU); `auto` plans for an accelerator's choices."""
+    no AdamW step temporaries where AdamW is fused (CPU); `auto` is planned as for the NPU."""
     from llmpipe.optim import build_optimizer
 
     cfg = make_cfg(tmp_path, run={"device": device}, train={"micro_batch_size": 4})
