@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -204,11 +205,11 @@ def _clean(args: argparse.Namespace) -> int:
     run_dir = Path(args.artifacts_dir) / args.run
     if not run_dir.is_dir():
         raise ConfigError(f"{run_dir}: no such run folder")
+    # The run folder may be a symlink (artifacts on another disk); superseded/ and failed/ inside it may
+    # not (refused before anything is removed). Each removal is printed as it is done.
     with run_lock(run_dir):
-        removed, freed = attempts.clean(run_dir, keep=args.keep)
-    for p in removed:
-        print(f"removed {p}")
-    print(f"clean: {len(removed)} superseded folder(s) removed, {_gib(freed)} freed")
+        removed = attempts.clean(run_dir, keep=args.keep, done=lambda r: print(r, flush=True))
+    print(f"clean: {len(removed)} superseded folder(s) removed, {_gib(sum(r.bytes for r in removed))} freed")
     return 0
 
 
@@ -313,8 +314,30 @@ def _tune(args: argparse.Namespace) -> int:
     return 0
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`kill`, systemd, a container runtime), raised in the main thread as Ctrl-C raises
+    KeyboardInterrupt: what is running cleans up (the train stage kills its torchrun group), then
+    `main` prints one line and returns 143 (128 + SIGTERM), as a shell reports a SIGTERMed command."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated()
+
+
+def _on_sigterm(handler):
+    """Install `handler` for SIGTERM; the previous one, or None outside the main thread (no handler)."""
+    try:
+        return signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # signals are the main thread's
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    # NOTE: during a flow run Prefect swaps in its own SIGTERM handler (TerminationSignal: the flow run
+    # is marked Crashed); when that unwinds it restores this one and sends SIGTERM again, which then
+    # raises Terminated instead of killing the process where it stands.
+    previous = _on_sigterm(_raise_terminated)
     logging.basicConfig(level=os.environ.get("LLMPIPE_LOG_LEVEL", "INFO"), format="%(message)s",
                         stream=sys.stderr)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # Prefect's client logs every request at INFO
@@ -347,6 +370,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as err:  # a stage, the lock, the data, a model folder: one line
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 143
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
@@ -355,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
         where = err.filename or _written_under(args)
         print(f"error: {where + ': ' if where else ''}{cause[:1].lower() + cause[1:]}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            _on_sigterm(previous)
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -1,6 +1,7 @@
 """`llmpipe run` stopped by a signal mid-training: nothing it started keeps running (the Prefect
-server included), Ctrl-C ends in one `error: interrupted` line with exit 130, and the partial
-training folder stays for the next run to resume from."""
+server included), Ctrl-C ends in one `error: interrupted` line with exit 130, SIGTERM in one
+`error: terminated` line with exit 143, and the partial training folder stays for the next run to
+resume from."""
 
 from __future__ import annotations
 
@@ -128,4 +129,16 @@ def test_sigkill_of_llmpipe_run_mid_training_leaves_nothing_running(tmp_path):
     assert len(tracked) >= 3  # the Prefect server, torchrun and its rank
     proc.kill()  # no handler, no atexit: only the kernel can clean up after it
     proc.communicate(timeout=60)
+    assert _wait_gone(tracked, str(tmp_path)) == []
+
+
+def test_sigterm_to_llmpipe_run_mid_training_prints_terminated_exits_143_and_stops_the_training(tmp_path):
+    proc, partial, tracked, _ = _start_training(tmp_path)
+    os.kill(proc.pid, signal.SIGTERM)  # what `kill PID`, systemd or a container runtime sends
+    _, stderr = proc.communicate(timeout=180)
+    assert proc.returncode == 143, stderr[-3000:]
+    assert stderr.splitlines()[-1] == "error: terminated", stderr[-3000:]
+    assert [ln for ln in stderr.splitlines() if ln.startswith("error:")] == ["error: terminated"]
+    assert "Traceback" not in stderr and "Error logging to API" not in stderr, stderr[-3000:]
+    assert any(partial.joinpath("checkpoints").iterdir()) and partial.joinpath("metrics.jsonl").is_file()
     assert _wait_gone(tracked, str(tmp_path)) == []
