@@ -99,11 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
                      help="torch: PyTorch eager; fp32/fp16/int8: onnxruntime with the static KV-cache decoder "
                      "(fp16/int8 come from the benchmark stage); om: ais_bench (CANN). Default fp32")
-    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
-    gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0)")
-    gen.add_argument("--threads", type=int, help="intra-op threads (default: all cores)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="finite, >= 0; 0 (default): greedy")
+    gen.add_argument("--top-k", type=int, help=">= 1")
+    gen.add_argument("--top-p", type=float, help="in (0, 1]")
+    gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0), >= 0")
+    gen.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
     gen.add_argument("--artifacts-dir", default="artifacts")
 
     tune = sub.add_parser("tune", help="measure a setting by short trainings and pick the fastest")

@@ -8,11 +8,15 @@ The run's tokenizer (consolidate's tokenizer.json) and one model variant:
     int8    the benchmark stage's dynamic-INT8 variants (benchmark/variants/int8/)
     om      convert_om's model.om + decoder.om through ais_bench (where CANN and an NPU exist)
 
-Every file read is first checked against its stage's manifest (size and sha256).
+Every file read is first checked against its stage's manifest (size and sha256), and every graph
+against what the decoding engine feeds and reads (llmpipe.bench.decode.graph_contract: a graph that
+matches a rewritten manifest is still refused when it is not the one export_onnx makes). The options
+are checked before anything is loaded (`check_options`, a ConfigError naming the option).
 """
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,9 +26,11 @@ from typing import TextIO
 
 import numpy as np
 
+from llmpipe.config import ConfigError
 from llmpipe.errors import UserError
 
 VARIANTS = ("torch", "fp32", "fp16", "int8", "om")
+MAX_THREADS = 1024  # --threads: above any machine's cores; bounds the threads a typo makes onnxruntime start
 
 
 class GenerateError(UserError):
@@ -54,15 +60,36 @@ def _stage(run_dir: Path, name: str, output: str, why: str) -> tuple[Path, objec
     return folder, manifest
 
 
-def _sessions(prefill: Path, decoder: Path, threads: int | None):
+def _check_graph(path: Path, session, kind: str, args, length: int) -> None:
+    from llmpipe.bench.decode import graph_problem
+
+    problem = graph_problem(session, kind, args, length)
+    if problem:
+        what = "prefill" if kind == "prefill" else f"static decoder (cache of {length})"
+        raise GenerateError(f"{path}: not the {what} graph export_onnx makes for this model: {problem}; "
+                            "refusing to use it")
+
+
+def _sessions(prefill: Path, decoder: Path, threads: int | None, args, length: int):
     from llmpipe import device
     from llmpipe.bench.ort import create_session
     from llmpipe.export.onnx import check_external_data
 
     cpu = device.ort_providers(["cpu"])[0]
-    for path in (prefill, decoder):
+    sessions = []
+    for path, kind in ((prefill, "prefill"), (decoder, "decoder")):
         check_external_data(path)
-    return create_session(prefill, cpu, threads), create_session(decoder, cpu, threads)
+        sessions.append(create_session(path, cpu, threads))
+        _check_graph(path, sessions[-1], kind, args, length)
+    return sessions
+
+
+def _cache_len(folder: Path, manifest) -> int:
+    length = manifest.metrics.get("static_decoder_cache_len")
+    if type(length) is not int or length < 1:
+        raise GenerateError(f"{folder}: the manifest's static_decoder_cache_len is {length!r}, not a positive "
+                            "integer; refusing to use it (re-run export_onnx)")
+    return length
 
 
 def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
@@ -77,7 +104,10 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
         raise GenerateError(f"--variant: {variant!r} is not one of {', '.join(VARIANTS)}")
     consolidated, _ = _stage(run_dir, "consolidate", "model", "run the pipeline first")
     tokenizer = load_tokenizer(consolidated / TOKENIZER)
-    args = read_args(consolidated)
+    try:
+        args = read_args(consolidated)
+    except ValueError as err:
+        raise GenerateError(str(err)) from None
     eos = tokenizer.token_to_id("<|endoftext|>")
     if threads:
         torch.set_num_threads(threads)
@@ -88,7 +118,7 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
         return Loaded(_om_engine(run_dir, args), tokenizer, eos, "OM through ais_bench")
     folder, manifest = _stage(run_dir, "export_onnx", "decoder_static",
                               "export it with export.static_decoder: true")
-    length = int(manifest.metrics.get("static_decoder_cache_len") or 0)
+    length = _cache_len(folder, manifest)
     if variant == "fp32":
         prefill, decoder = manifest.path(folder, "model"), manifest.path(folder, "decoder_static")
     else:
@@ -98,7 +128,7 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
         if not decoder.is_file() or not prefill.is_file():
             raise GenerateError(f"{bench}: no {variant} variant of both graphs (is {variant} in "
                                 "benchmark.variants?)")
-    return Loaded(StaticEngine(*_sessions(prefill, decoder, threads), args, length), tokenizer, eos,
+    return Loaded(StaticEngine(*_sessions(prefill, decoder, threads, args, length), args, length), tokenizer, eos,
                   f"onnxruntime {variant}, static KV cache of {length}")
 
 
@@ -114,12 +144,43 @@ def _om_engine(run_dir: Path, args):
     export_folder, export_manifest = _stage(run_dir, "export_onnx", "decoder_static", "")
     cfg = manifest.config.get("convert_om", {})
     gears = prefill_gears(cfg.get("dynamic_dims"))
-    length = int(export_manifest.metrics.get("static_decoder_cache_len") or 0)
+    length = _cache_len(export_folder, export_manifest)
     device_id = int(manifest.config.get("benchmark", {}).get("device_id", 0))
     prefill = ais.OmSession(manifest.path(folder, "om"), device_id=device_id, dynamic=bool(gears))
     decoder = ais.OmSession(manifest.path(folder, "decoder_om"), device_id=device_id)
+    _check_graph(prefill.path, prefill, "prefill", args, length)
+    _check_graph(decoder.path, decoder, "decoder", args, length)
     return StaticEngine(prefill, decoder, args, length, prefill_lens=gears or None,
                         batch=int(cfg.get("decode_batch", 1)))
+
+
+def _check_prompt(prompt: str) -> None:
+    """ConfigError unless `prompt` is text UTF-8 can carry: argv bytes that are not UTF-8 reach
+    Python as lone surrogates (U+DC80..U+DCFF, the surrogateescape of each byte)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as err:
+        code = ord(prompt[err.start])
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
+        raise ConfigError(f"--prompt: not valid UTF-8 ({what} at character {err.start})") from None
+
+
+def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
+                  seed: int | None, threads: int | None) -> None:
+    """ConfigError naming the first option out of its range; nothing is loaded before this."""
+    _check_prompt(prompt)
+    if max_new_tokens < 1:
+        raise ConfigError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(f"--temperature {temperature:g}: must be a finite number >= 0 (0: greedy)")
+    if top_k is not None and top_k < 1:
+        raise ConfigError(f"--top-k {top_k}: must be >= 1")
+    if top_p is not None and not 0 < top_p <= 1:  # NaN included
+        raise ConfigError(f"--top-p {top_p:g}: must be in (0, 1]")
+    if seed is not None and seed < 0:
+        raise ConfigError(f"--seed {seed}: must be >= 0")
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise ConfigError(f"--threads {threads}: must be between 1 and {MAX_THREADS} (leave it out for all cores)")
 
 
 class Streamer:
@@ -141,15 +202,14 @@ class Streamer:
 
 def run_generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, variant: str = "fp32",
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, threads: int | None = None, out: TextIO = sys.stdout) -> dict:
-    """Stream a continuation of `prompt` to `out`; returns the numbers of the closing line."""
+                 seed: int | None = None, threads: int | None = None, out: TextIO | None = None) -> dict:
+    """Stream a continuation of `prompt` to `out` (default: sys.stdout at the call); returns the numbers of
+    the closing line."""
     from llmpipe.bench.decode import CapacityError, generate, pick_tokens
 
-    if max_new_tokens < 1:
-        raise GenerateError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0 or (top_p is not None and not 0 < top_p <= 1) or (top_k is not None and top_k < 1):
-        raise GenerateError("--temperature must be >= 0, --top-p in (0, 1], --top-k >= 1")
+    check_options(prompt, max_new_tokens, temperature, top_k, top_p, seed, threads)
     loaded = open_run(Path(run_dir), variant, threads)
+    out = sys.stdout if out is None else out
     ids = loaded.tokenizer.encode(prompt).ids
     if not ids:
         raise GenerateError("--prompt: empty after tokenization")

@@ -18,6 +18,9 @@ Engines:
   the arrays are bound once through I/O binding (the OrtValues share their memory), so no step
   copies the cache. On other providers, and for OM models, each call passes the cache (a host to
   device copy per call; a device-resident cache is future work).
+
+`graph_contract` is what StaticEngine feeds and reads (names, types, fixed sizes); `graph_problem`
+says how a loaded graph differs from it, so a foreign graph is refused before it runs.
 """
 
 from __future__ import annotations
@@ -161,6 +164,71 @@ class StaticEngine:
         return np.array(logits[:, -1])  # (B, vocab)
 
 
+# --------------------------------------------------------------------------- the graphs' contract
+
+
+@dataclass(frozen=True)
+class Tensor:
+    """A graph input or output as StaticEngine uses it: onnxruntime's type and the size of each axis
+    (None: any size)."""
+
+    type: str
+    dims: tuple[int | None, ...]
+
+
+def graph_contract(kind: str, args: ModelArgs, cache_len: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+    """(inputs, outputs) of export_onnx's `kind` graph, "prefill" (model.onnx) or "decoder"
+    (decoder_static.onnx), for a model of `args` with a cache of `cache_len` slots: what
+    StaticEngine feeds and reads (names from llmpipe.export.onnx)."""
+    ids = Tensor("tensor(int64)", (None, None))  # (B, T)
+    logits = Tensor("tensor(float)", (None, None, args.vocab_size))  # (B, T, vocab)
+    kv = Tensor("tensor(float)", (None, args.n_kv_heads, None, args.head_dim))  # (B, Hkv, T, hd)
+    if kind == "prefill":
+        return {"input_ids": ids}, {"logits": logits, **dict.fromkeys(decoder_names(args.n_layers, "present"), kv)}
+    mask = Tensor("tensor(int64)", (None, cache_len))  # (B, L)
+    cache = Tensor("tensor(float)", (None, args.n_kv_heads, cache_len, args.head_dim))  # (B, Hkv, L, hd)
+    names = static_inputs(args.n_layers)
+    inputs = dict(zip(names, [ids, ids, mask, *[cache] * (len(names) - 3)]))
+    return inputs, {"logits": logits, **dict.fromkeys(decoder_names(args.n_layers, "new"), kv)}
+
+
+def _first(what: str, names: list[str]) -> list[str]:
+    more = f" and {len(names) - 1} more" if len(names) > 1 else ""
+    return [f"{what} {names[0]!r}{more}"] if names else []
+
+
+def _tensor_problem(where: str, want: Tensor, have) -> str | None:
+    shape = list(have.shape or [])
+    if have.type != want.type or len(shape) != len(want.dims):
+        return f"{where} is {have.type} of rank {len(shape)}, expected {want.type} of rank {len(want.dims)}"
+    for axis, (size, fixed) in enumerate(zip(shape, want.dims)):
+        if isinstance(size, int) and fixed is not None and size != fixed:  # a named (dynamic) axis fits any size
+            return f"{where} has {size} on axis {axis}, expected {fixed}"
+    return None
+
+
+def graph_problem(session, kind: str, args: ModelArgs, cache_len: int) -> str | None:
+    """Why `session` is not the `kind` graph of `graph_contract` (its first difference), or None.
+    An onnxruntime session is checked by name, type, rank and fixed sizes; an OM session by name."""
+    inputs, outputs = graph_contract(kind, args, cache_len)
+    if isinstance(session, ort.InferenceSession):
+        have_in = {a.name: a for a in session.get_inputs()}
+        have_out = {a.name: a for a in session.get_outputs()}
+    else:  # llmpipe.bench.ais.OmSession
+        have_in, have_out = dict.fromkeys(session.input_names), dict.fromkeys(session.output_names)
+    problems = [*_first("no input", [n for n in inputs if n not in have_in]),
+                *_first("an unexpected input", [n for n in have_in if n not in inputs]),
+                *_first("no output", [n for n in outputs if n not in have_out])]
+    if problems:
+        return ", ".join(problems)
+    for role, wanted, have in (("input", inputs, have_in), ("output", outputs, have_out)):
+        for name, want in wanted.items():
+            problem = have[name] is not None and _tensor_problem(f"{role} {name!r}", want, have[name])
+            if problem:
+                return problem
+    return None
+
+
 # --------------------------------------------------------------------------- picking tokens
 
 
@@ -172,7 +240,11 @@ def pick_tokens(logits: np.ndarray, temperature: float = 0.0, top_k: int | None 
     if temperature <= 0:
         return logits.argmax(axis=-1).astype(np.int64)
     rng = rng or np.random.default_rng()
-    z = logits.astype(np.float64) / temperature
+    z = logits.astype(np.float64)
+    # NOTE: the max subtracted before dividing: a tiny temperature then sends the others to -inf,
+    # never to +inf (which would make inf - inf = NaN probabilities below)
+    with np.errstate(over="ignore"):
+        z = (z - z.max(axis=-1, keepdims=True)) / temperature
     if top_k is not None and 0 < top_k < z.shape[-1]:
         kth = np.partition(z, -top_k, axis=-1)[:, -top_k][:, None]
         z = np.where(z < kth, -np.inf, z)
