@@ -2,7 +2,8 @@
 
 The lock file records pid, host and start time. A second run on the same folder is refused with a
 message naming the holder; a lock left by a dead process on this host is taken over (logged).
-The same process may re-enter (the flow holds it while its tasks run stages).
+The same process may re-enter (the flow holds it while its tasks run stages); the block learns
+whether it took the lock or re-entered it.
 """
 
 from __future__ import annotations
@@ -38,10 +39,17 @@ def _alive(pid: int) -> bool:
 
 
 def _read(path: Path) -> dict | None:
+    """The lock's record, or None when it is absent, being written, or not a lock record (a lock file
+    is under 200 bytes: more, or anything but an object with an integer pid, is garbage)."""
     try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        with open(path, "rb") as f:
+            data = json.loads(f.read(4096))
+    except (OSError, ValueError, RecursionError):
         return None
+    pid = data.get("pid") if isinstance(data, dict) else None
+    if type(pid) is not int or pid <= 0:
+        return None
+    return data
 
 
 def _try_create(path: Path, me: dict) -> bool:
@@ -55,8 +63,10 @@ def _try_create(path: Path, me: dict) -> bool:
 
 
 @contextlib.contextmanager
-def run_lock(run_dir: Path) -> Iterator[None]:
-    """Hold artifacts/<run>/.lock for the duration of the block."""
+def run_lock(run_dir: Path) -> Iterator[bool]:
+    """Hold artifacts/<run>/.lock for the duration of the block. Yields True when this call took the
+    lock, False when this process already held it: only a taker knows that no other writer is at
+    work in the folder (its own process included), so only a taker may clean up after dead ones."""
     run_dir = Path(run_dir)
     created = not run_dir.exists()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -67,9 +77,9 @@ def run_lock(run_dir: Path) -> Iterator[None]:
             break
         holder = _read(path)
         if holder and holder.get("pid") == me["pid"] and holder.get("host") == me["host"]:
-            yield  # re-entered by the process that holds it
+            yield False  # re-entered by the process that holds it
             return
-        if holder and holder.get("host") == me["host"] and not _alive(int(holder.get("pid", -1))):
+        if holder and holder.get("host") == me["host"] and not _alive(holder["pid"]):
             log.warning("removing stale lock %s (pid %s is gone)", path, holder.get("pid"))
             path.unlink(missing_ok=True)
             continue
@@ -83,7 +93,7 @@ def run_lock(run_dir: Path) -> Iterator[None]:
     else:
         raise LockError(f"could not take the lock {path}")
     try:
-        yield
+        yield True
     finally:
         if (_read(path) or {}).get("pid") == me["pid"]:
             path.unlink(missing_ok=True)

@@ -10,6 +10,10 @@ verified digest is remembered in `.verified.json` beside the manifest, keyed by 
 mtime, ctime and inode. Any write to the file changes its ctime (which no user-level call can set
 back), so a cached digest is reused only for a file untouched since it was hashed; everything else
 is hashed again. `verify(rehash=True)` ignores the cache (silent media corruption changes no stat field).
+
+Reading either file is bounded: at most MAX_JSON_BYTES, nested at most MAX_JSON_DEPTH levels (a
+deeper document raises RecursionError in json, and later in whatever walks it). Any failure to read
+a manifest makes the stage "invalid"; any failure to read the digest cache costs a re-hash.
 """
 
 from __future__ import annotations
@@ -32,6 +36,10 @@ MANIFEST = "manifest.json"
 VERIFIED = ".verified.json"  # digest cache: relative path -> [size, mtime_ns, ctime_ns, inode, sha256]
 _CHUNK = 8 << 20
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
+# A train manifest lists every file of the final checkpoint, about 200 bytes each: 10k ranks' shards
+# are a few MB. The bound keeps a hostile or damaged file from filling memory.
+MAX_JSON_BYTES = 64 << 20
+MAX_JSON_DEPTH = 64  # a real manifest is about 6 deep (config.train.parallel.<field>)
 
 
 class ManifestError(ValueError):
@@ -74,6 +82,45 @@ def versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             pass
     return out
+
+
+def _depth(obj: Any) -> int:
+    """How deeply `obj` nests lists and dicts (iteratively: no recursion to exhaust)."""
+    deepest, todo = 0, [(obj, 1)]
+    while todo:
+        o, d = todo.pop()
+        if isinstance(o, (dict, list)):
+            deepest = max(deepest, d)
+            if d <= MAX_JSON_DEPTH:
+                todo.extend((v, d + 1) for v in (o.values() if isinstance(o, dict) else o))
+    return deepest
+
+
+def read_json_bounded(path: Path) -> Any:
+    """The JSON document in `path`, read against MAX_JSON_BYTES and MAX_JSON_DEPTH.
+
+    FileNotFoundError when absent; ValueError with the reason for anything else that goes wrong
+    (unreadable, too large, not UTF-8, not JSON, nested too deeply)."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except FileNotFoundError:
+        raise
+    except OSError as err:
+        raise ValueError(f"unreadable ({err})") from None
+    if len(raw) > MAX_JSON_BYTES:
+        raise ValueError(f"more than {MAX_JSON_BYTES} bytes")
+    try:
+        data = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"unreadable ({err})") from None
+    except RecursionError:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep") from None
+    except ValueError as err:
+        raise ValueError(f"not valid JSON ({err})") from None
+    if _depth(data) > MAX_JSON_DEPTH:
+        raise ValueError(f"nested more than {MAX_JSON_DEPTH} levels deep")
+    return data
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
@@ -144,21 +191,19 @@ class Manifest:
         """The manifest in `stage_dir`, None when there is none; ManifestError when it does not validate."""
         path = Path(stage_dir) / MANIFEST
         try:
-            text = path.read_text(encoding="utf-8")
+            data = read_json_bounded(path)
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError) as err:
-            raise ManifestError(f"{path}: unreadable ({err})") from None
-        try:
-            data = json.loads(text)
         except ValueError as err:
-            raise ManifestError(f"{path}: not valid JSON ({err})") from None
+            raise ManifestError(f"{path}: {err}") from None
         try:
             return _SCHEMA.validate_python(data)
         except pydantic.ValidationError as err:
             first = err.errors()[0]
             where = ".".join(str(x) for x in first["loc"]) or "(top level)"
             raise ManifestError(f"{path}: {where}: {first['msg']}") from None
+        except (ValueError, TypeError, RecursionError) as err:  # anything else the schema trips on
+            raise ManifestError(f"{path}: does not validate ({type(err).__name__}: {err})") from None
 
     @classmethod
     def read(cls, stage_dir: Path) -> Manifest | None:
@@ -230,9 +275,9 @@ class DigestCache:
         self.entries: dict[str, list] = {}
         if enabled:
             try:
-                data = json.loads(self.path.read_text(encoding="utf-8"))
+                data = read_json_bounded(self.path)
                 self.entries = {k: v for k, v in data.items() if isinstance(v, list) and len(v) == 5}
-            except (OSError, ValueError, AttributeError):
+            except (OSError, ValueError, AttributeError):  # absent, damaged, or not an object
                 self.entries = {}
 
     def get(self, rel: str, st: os.stat_result) -> str | None:

@@ -193,3 +193,60 @@ def test_a_full_disk_during_a_stage_is_one_line_naming_the_stage_folder(tmp_path
     with pytest.raises(stages.StageError, match=r"prepare_data: .*\.01_prepare_data\.partial: no space left on device"):
         stages.run_stage("prepare_data", cfg)
     assert not stages.stage_dir(cfg.run_dir(), "prepare_data").exists()
+
+
+def _nest_manifest(folder, depth=100_000):
+    """A manifest.json nested `depth` lists deep: json.loads raises RecursionError on it."""
+    (folder / "manifest.json").write_text("[" * depth + "]" * depth)
+
+
+def test_a_deeply_nested_manifest_makes_status_list_the_stage_invalid(prepared, capsys):
+    cfg, folder = prepared
+    _nest_manifest(folder)
+    path = folder.parent.parent / "c.yaml"
+    path.write_text(json.dumps(cfg.to_dict()))
+    assert cli.main(["status", "s", "--artifacts-dir", str(cfg.run.artifacts_dir), "--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert f"prepare_data   invalid: {folder / 'manifest.json'}: nested more than 64 levels deep" in out
+
+
+def test_a_deeply_nested_manifest_leaves_the_report_working(prepared):
+    from llmpipe import report
+
+    cfg, folder = prepared
+    _nest_manifest(folder)
+    page = report.write(cfg).read_text()
+    assert f"invalid: {folder / 'manifest.json'}: nested more than 64 levels deep" in page
+    assert "| prepare_data | invalid: " in report.markdown(cfg)
+
+
+def test_a_deeply_nested_manifest_is_run_again(prepared):
+    cfg, folder = prepared
+    _nest_manifest(folder)
+    with pytest.raises(stages.StageError, match="train needs prepare_data, which is invalid: .*nested more than 64"):
+        stages.run_stage("train", cfg)
+    manifest, executed = stages.run_stage("prepare_data", cfg)
+    assert executed and stages.state(cfg, "prepare_data")[0] == "done"
+
+
+def test_a_manifest_nested_within_json_s_reach_but_past_the_limit_is_invalid(prepared):
+    cfg, folder = prepared
+    _edit_manifest(folder, metrics={"a": json.loads("[" * 200 + "]" * 200)})
+    assert stages.state(cfg, "prepare_data")[0] == \
+        f"invalid: {folder / 'manifest.json'}: nested more than 64 levels deep"
+
+
+def test_a_manifest_over_the_size_limit_is_invalid_without_being_read_whole(prepared, monkeypatch):
+    cfg, folder = prepared
+    size = (folder / "manifest.json").stat().st_size
+    monkeypatch.setattr(manifest_mod, "MAX_JSON_BYTES", size - 1)  # the real limit is 64 MiB
+    assert stages.state(cfg, "prepare_data")[0] == f"invalid: {folder / 'manifest.json'}: more than {size - 1} bytes"
+    monkeypatch.setattr(manifest_mod, "MAX_JSON_BYTES", size)
+    assert stages.state(cfg, "prepare_data")[0] == "done"
+
+
+def test_a_deeply_nested_digest_cache_only_costs_a_rehash(prepared):
+    _, folder = prepared
+    (folder / manifest_mod.VERIFIED).write_text("[" * 100_000 + "]" * 100_000)
+    assert Manifest.load(folder).verify(folder) is None
+    assert json.loads((folder / manifest_mod.VERIFIED).read_text())["train.bin"][4] == sha256_file(folder / "train.bin")
