@@ -49,9 +49,9 @@ def _loss_png(metrics_path: Path) -> str | None:
 
     from llmpipe.train.metrics import read
 
-    recs = read(metrics_path)
-    train = [(r["step"], r["loss"]) for r in recs if "loss" in r]
-    val = [(r["step"], r["val_loss"]) for r in recs if "val_loss" in r]
+    recs = read(metrics_path)  # a torn last line (a killed or out-of-space run) is skipped
+    train = [(r["step"], r["loss"]) for r in recs if _number(r.get("loss"))]
+    val = [(r["step"], r["val_loss"]) for r in recs if _number(r.get("val_loss"))]
     fig, ax = plt.subplots(figsize=(6, 3.2), dpi=100)
     if train:
         ax.plot(*zip(*train), label="train loss", lw=1)
@@ -66,6 +66,10 @@ def _loss_png(metrics_path: Path) -> str | None:
     fig.savefig(buf, format="png")
     plt.close(fig)
     return base64.b64encode(buf.getvalue()).decode()
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
