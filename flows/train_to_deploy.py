@@ -36,7 +36,9 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
     logger.info("run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
     results: dict[str, Any] = {}
     try:
-        with run_lock(cfg.run_dir()):  # one writer per run folder; stale locks are recognised
+        with run_lock(cfg.run_dir()) as taken:  # one writer per run folder; stale locks are recognised
+            if taken:  # no other attempt is writing: what interrupted ones left can go
+                stages.remove_stale_partials(cfg.run_dir())
             for name in selected:
                 task = TASKS[name].with_options(retries=cfg.run.retries, retry_delay_seconds=cfg.run.retry_delay_s)
                 results[name] = task(config, overrides, force=force or from_stage is not None)

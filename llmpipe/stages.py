@@ -6,11 +6,17 @@ succeeds, and then carries `manifest.json`. A stage whose manifest validates, is
 its status, verifies (every output's size and sha256) and whose fingerprint equals the one computed
 now is skipped.
 
-A stage's fingerprint hashes its own config sections, environment facts (`extra`), the library
-version, and the content digest of each input stage's outputs as recorded in that stage's manifest
-(`Manifest.content_digest`). So a config change re-runs the stage it belongs to; whatever follows
-re-runs only if the bytes it reads changed. Inputs are verified in full (sha256, through the
-digest cache) before a stage reads them: a corrupted input stops the stage with the file's name.
+A stage's fingerprint hashes its own config sections, environment facts (`extra`), the stage's
+revision (bumped when its code changes what it produces; never the package version, so an upgrade
+re-runs only what it changed), and the content digest of each input stage's outputs as recorded in
+that stage's manifest (`Manifest.content_digest`). So a config change re-runs the stage it belongs
+to; whatever follows re-runs only if the bytes it reads changed. Inputs are verified in full
+(sha256, through the digest cache) before a stage reads them: a corrupted input stops the stage
+with the file's name. A run that takes the run lock first removes what killed attempts of
+non-resumable stages left (`remove_stale_partials`).
+
+A stage's folder is numbered by its spec (`StageSpec.number`), never by its place in the pipeline,
+so a stage added later takes the next free number and renames no existing folder.
 """
 
 from __future__ import annotations
@@ -27,7 +33,6 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import llmpipe
 from llmpipe import attempts
 from llmpipe.config import STAGES, ConfigError, RunConfig, operational_changes, result_section, section
 from llmpipe.errors import UserError
@@ -62,6 +67,8 @@ class StageSpec:
     sections: tuple[str, ...]  # config sections that define this stage's result
     inputs: tuple[str, ...]  # stages whose outputs it reads
     entry: str  # "module:function" taking a StageContext, returning a StageResult
+    number: int  # its folder's NN_: fixed once released, a new stage takes the next free one
+    revision: int = 1  # bump when this stage's code changes what it produces (see _revision)
     resumable: bool = False  # keep the partial folder across failed attempts (training)
     extra: str | None = None  # "module:function(cfg) -> dict" of environment facts in the fingerprint
     outputs: tuple[str, ...] = ()  # what a completed manifest must list (a folder output: "name/")
@@ -69,24 +76,35 @@ class StageSpec:
     retention: str | None = None  # config field: how many superseded folders to keep (resumable stages)
 
 
+# In pipeline order (config.STAGES), which a new stage may enter anywhere; its number is the next free one.
 SPECS: dict[str, StageSpec] = {s.name: s for s in (
-    StageSpec("prepare_data", ("data", "run.seed"), (), "llmpipe.data.prepare:run",
+    StageSpec("prepare_data", ("data", "run.seed"), (), "llmpipe.data.prepare:run", number=1,
               extra="llmpipe.data.corpus:fingerprint_extra",
               outputs=("tokenizer", "train_bin", "train_idx", "val_bin", "val_idx", "meta")),
-    StageSpec("train", ("model", "train", "run.seed"), ("prepare_data",), "llmpipe.train.stage:run",
+    StageSpec("train", ("model", "train", "run.seed"), ("prepare_data",), "llmpipe.train.stage:run", number=2,
               resumable=True, extra="llmpipe.train.fingerprint:extra",
               retention="train.checkpoint.keep_superseded",
               outputs=("checkpoint/", "metrics", "model_config", "summary", "config")),
     StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run",
-              outputs=("model", "model_config", "tokenizer")),
+              number=3, outputs=("model", "model_config", "tokenizer")),
     StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run",
-              outputs=("model", "parity")),
-    StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run",
+              number=4, outputs=("model", "parity")),
+    StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run", number=5,
               extra="llmpipe.export.atc:fingerprint_extra", outputs=("om", "log", "argv"), may_skip=True),
     StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate", "prepare_data", "train"),
-              "llmpipe.bench.run:run", outputs=("results", "table")),
+              "llmpipe.bench.run:run", number=6, outputs=("results", "table")),
 )}
 assert tuple(SPECS) == STAGES
+assert len({s.number for s in SPECS.values()}) == len(SPECS), "two stages share a folder number"
+
+# NOTE: fingerprints up to llmpipe 0.1.0 hashed {"llmpipe": llmpipe.__version__}. Revision 1 keeps that
+# key with the value frozen at "0.1.0", so every existing run's fingerprints stay byte-identical and
+# nothing re-runs for this change or any later upgrade; revision n > 1 hashes "0.1.0+r<n>" instead.
+_REVISION_1 = "0.1.0"
+
+
+def _revision(spec: StageSpec) -> str:
+    return _REVISION_1 if spec.revision == 1 else f"{_REVISION_1}+r{spec.revision}"
 
 
 @dataclass
@@ -118,7 +136,30 @@ class StageContext:
 
 
 def stage_dir(run_dir: Path, name: str) -> Path:
-    return Path(run_dir) / f"{STAGES.index(name) + 1:02d}_{name}"
+    return Path(run_dir) / f"{SPECS[name].number:02d}_{name}"
+
+
+def partial_dir(run_dir: Path, name: str) -> Path:
+    """Where stage `name` writes until it publishes: `.<NN_stage>.partial` beside its folder."""
+    return Path(run_dir) / f".{stage_dir(run_dir, name).name}.partial"
+
+
+def remove_stale_partials(run_dir: Path) -> list[Path]:
+    """Remove what interrupted attempts of non-resumable stages left (a killed export's partial
+    folder); a resumable stage's holds paid-for work (checkpoints) and stays. Call only as the
+    taker of the run lock (`run_lock` yields True): then no attempt is writing in the folder."""
+    removed = []
+    for name, spec in SPECS.items():
+        partial = partial_dir(run_dir, name)
+        if spec.resumable or not (partial.is_dir() or partial.is_symlink()):
+            continue
+        log.info("removing %s, left by an interrupted %s attempt", partial, name)
+        if partial.is_symlink():  # never followed: only the link goes
+            partial.unlink()
+        else:
+            shutil.rmtree(partial)
+        removed.append(partial)
+    return removed
 
 
 def _resolve(entry: str) -> Callable:
@@ -148,7 +189,7 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
             "stage": name,
             "config": {s: result_section(cfg, s) for s in spec.sections},
             "inputs": {i: contents[i] for i in spec.inputs},
-            "llmpipe": llmpipe.__version__,
+            "llmpipe": _revision(spec),  # the key's name kept: see _REVISION_1
         }
         if spec.extra:
             payload["extra"] = _resolve(spec.extra)(cfg)
@@ -302,7 +343,9 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False,
             raise StageError(f"{name} needs {dep}, which is {status}; run {dep} first")
         inputs[dep] = (stage_dir(run_dir, dep), manifest)
 
-    with run_lock(run_dir):  # also removes a run folder it created, if the stage left it empty
+    with run_lock(run_dir) as taken:  # also removes a run folder it created, if the stage left it empty
+        if taken:
+            remove_stale_partials(run_dir)
         return _execute(spec, cfg, fps, inputs, executor), True
 
 
@@ -319,8 +362,7 @@ _STORAGE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS}
 def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
              inputs: dict[str, tuple[Path, Manifest]], executor: Callable | None = None) -> Manifest:
     name, run_dir = spec.name, cfg.run_dir()
-    final = stage_dir(run_dir, name)
-    partial = run_dir / f".{final.name}.partial"
+    final, partial = stage_dir(run_dir, name), partial_dir(run_dir, name)
     _prepare_partial(partial, fps[name], spec, run_dir)
     started, t0 = _now(), time.monotonic()
     log.info("%s: running (fingerprint %s)", name, fps[name][:12])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -112,3 +113,112 @@ def test_editing_the_corpus_reruns_prepare_data(tmp_path):
     (tmp_path / "corpus" / "doc0.txt").write_text("changed text, different size")
     after = stages.fingerprints(cfg)
     assert [s for s in before if before[s] != after[s]] == ["prepare_data"]
+
+
+def test_upgrading_llmpipe_changes_no_fingerprint_and_reruns_nothing(tmp_path, monkeypatch):
+    import llmpipe
+
+    cfg = _cfg(tmp_path)
+    stages.run_stage("prepare_data", cfg)
+    before = stages.fingerprints(cfg)
+    monkeypatch.setattr(llmpipe, "__version__", "9.9.9")
+    assert stages.fingerprints(cfg) == before
+    _, executed = stages.run_stage("prepare_data", cfg)
+    assert not executed
+
+
+def test_revision_1_fingerprints_are_byte_identical_to_those_llmpipe_0_1_0_wrote(tmp_path):
+    from llmpipe.config import result_section
+    from llmpipe.manifest import fingerprint
+
+    cfg = _cfg(tmp_path)
+    spec = stages.SPECS["export_onnx"]  # 0.1.0's payload, as its stages.fingerprints built it:
+    old = {"stage": "export_onnx", "config": {s: result_section(cfg, s) for s in spec.sections},
+           "inputs": {"consolidate": "missing"}, "llmpipe": "0.1.0"}
+    assert stages.fingerprints(cfg)["export_onnx"] == fingerprint(old)
+
+
+def test_bumping_a_stage_s_revision_makes_it_stale_and_it_reruns(tmp_path, monkeypatch):
+    import dataclasses
+
+    cfg = _cfg(tmp_path)
+    stages.run_stage("prepare_data", cfg)
+    before = stages.fingerprints(cfg)
+    bumped = dataclasses.replace(stages.SPECS["prepare_data"], revision=2)
+    monkeypatch.setitem(stages.SPECS, "prepare_data", bumped)
+    after = stages.fingerprints(cfg)
+    assert [s for s in before if before[s] != after[s]] == ["prepare_data"]  # the rest follows its bytes
+    assert stages.state(cfg, "prepare_data")[0] == "stale"
+    _, executed = stages.run_stage("prepare_data", cfg)
+    assert executed and stages.state(cfg, "prepare_data")[0] == "done"
+
+
+def test_adding_a_stage_renames_no_folder_and_changes_no_fingerprint(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    stages.run_stage("prepare_data", cfg)
+    folders = {s: stages.stage_dir(cfg.run_dir(), s) for s in stages.SPECS}
+    before = stages.fingerprints(cfg)
+    # an evaluation stage entering the pipeline after train, as the next issues add one
+    evaluate = stages.StageSpec("evaluate", ("benchmark",), ("train",), "llmpipe.bench.run:run", number=7)
+    specs = list(stages.SPECS.values())
+    specs.insert(2, evaluate)
+    monkeypatch.setattr(stages, "SPECS", {s.name: s for s in specs})
+    monkeypatch.setattr(stages, "STAGES", tuple(s.name for s in specs))
+    assert {s: stages.stage_dir(cfg.run_dir(), s) for s in folders} == folders
+    assert stages.stage_dir(cfg.run_dir(), "evaluate").name == "07_evaluate"
+    after = stages.fingerprints(cfg)
+    assert {s: after[s] for s in before} == before
+    assert stages.state(cfg, "prepare_data")[0] == "done"
+
+
+def _leftover(run_dir, name):
+    partial = stages.partial_dir(run_dir, name)
+    partial.mkdir(parents=True)
+    (partial / "model.onnx").write_bytes(b"\0" * 1000)
+    return partial
+
+
+def test_a_run_removes_a_killed_export_s_partial_folder_and_keeps_train_s(tmp_path, caplog):
+    cfg = _cfg(tmp_path)
+    export, train = _leftover(cfg.run_dir(), "export_onnx"), _leftover(cfg.run_dir(), "train")
+    caplog.set_level("INFO", logger="llmpipe.stages")
+    stages.run_stage("prepare_data", cfg)
+    assert not export.exists() and (train / "model.onnx").is_file()  # train's holds checkpoints
+    assert f"removing {export}, left by an interrupted export_onnx attempt" in caplog.text
+
+
+def test_a_stale_partial_folder_that_is_a_symlink_is_unlinked_not_followed(tmp_path):
+    cfg = _cfg(tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "keep.txt").write_text("not the run's")
+    cfg.run_dir().mkdir(parents=True)
+    stages.partial_dir(cfg.run_dir(), "consolidate").symlink_to(elsewhere)
+    stages.run_stage("prepare_data", cfg)
+    assert not stages.partial_dir(cfg.run_dir(), "consolidate").is_symlink()
+    assert (elsewhere / "keep.txt").read_text() == "not the run's"
+
+
+def test_partial_folders_are_left_alone_while_another_process_holds_the_run(tmp_path):
+    import socket
+
+    from llmpipe.lock import LOCK, LockError
+
+    cfg = _cfg(tmp_path)
+    export = _leftover(cfg.run_dir(), "export_onnx")
+    holder = {"pid": os.getppid(), "host": socket.gethostname(), "started": "now"}  # alive, not us
+    (cfg.run_dir() / LOCK).write_text(json.dumps(holder))
+    with pytest.raises(LockError, match=f"is in use by pid {os.getppid()}"):
+        stages.run_stage("prepare_data", cfg)
+    assert (export / "model.onnx").is_file()
+
+
+def test_a_stage_run_inside_a_held_run_lock_removes_no_partial_folder(tmp_path):
+    from llmpipe.lock import run_lock
+
+    cfg = _cfg(tmp_path)
+    export = _leftover(cfg.run_dir(), "export_onnx")
+    with run_lock(cfg.run_dir()) as taken:  # as the flow holds it: its start did the cleaning
+        assert taken
+        stages.run_stage("prepare_data", cfg)
+    assert (export / "model.onnx").is_file()
