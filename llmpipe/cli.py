@@ -122,7 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     buckets.add_argument("--bandwidth-gbps", type=float, default=100.0,
                          help="network bandwidth of the plan's estimate, gigabits/s (default 100, as llmpipe plan)")
     buckets.add_argument("--write", action="store_true", help="set the fastest value in CONFIG (comments and "
-                         "order kept, the original kept as CONFIG.bak)")
+                         "order kept; a symlink's target is edited; the original kept as CONFIG.bak, or "
+                         "CONFIG.bak.1, .2, ... when earlier backups exist)")
     buckets.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")

@@ -10,7 +10,9 @@ the bandwidth plus one latency per bucket). The data come from the run's prepare
 reused through the stage machinery; the train stage's folder and checkpoints are never touched.
 
 `write_bucket_cap` sets the winner in the config file with a minimal text edit (comments and order
-kept), verified against the parsed YAML before the file is replaced.
+kept), verified against the parsed YAML before the file is replaced. A symlinked config has its target
+edited; the original is kept as CONFIG.bak, or CONFIG.bak.1, .2, ... when earlier backups exist (one
+is never overwritten, nor written through a link).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import math
 import os
 import re
 import shutil
+import stat
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +40,7 @@ log = logging.getLogger("llmpipe.tune")
 
 MIN_STEPS = 4  # skipped, warm-up, recorded, last (checkpoint): one each
 KEY = ("train", "parallel", "bucket_cap_mb")
+MAX_BACKUPS = 100  # CONFIG.bak, CONFIG.bak.1 ... CONFIG.bak.99: --write refuses beyond
 
 
 class TuneError(UserError, RuntimeError):
@@ -385,12 +390,40 @@ def edit_text(text: str, v: float) -> str | None:
     return None
 
 
+def _backup(path: Path, data: bytes, st: os.stat_result) -> Path:
+    """`data`, the original of `path`, saved in a new file `path`.bak, or `path`.bak.1, .2, ... when that
+    name is taken: an earlier backup is never overwritten, and a link planted at one of the names is
+    never written through (O_EXCL creates the file itself or fails)."""
+    for i in range(MAX_BACKUPS):
+        backup = path.with_name(f"{path.name}.bak" + (f".{i}" if i else ""))
+        try:
+            fd = os.open(backup, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        except FileExistsError:
+            continue
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(fd)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
+            os.utime(fd, ns=(st.st_atime_ns, st.st_mtime_ns))  # as shutil.copy2 kept them
+        return backup
+    raise TuneError(f"{path}: {path.name}.bak and {MAX_BACKUPS - 1} numbered backups of it exist; remove the ones "
+                    "you do not need; not written")
+
+
 def write_bucket_cap(path: Path, v: float, overrides: list[str] | tuple[str, ...] = ()) -> str:
     """Set train.parallel.bucket_cap_mb to `v` in the config file `path`, keeping everything else of the
-    text; the original is kept as `path`.bak. The edited text must load (with `overrides`, those setting
-    the bucket size left out) with the new value before it replaces the file. Returns a line to print."""
+    text. A symlink's target is the file edited (the link stays). The original is kept beside the file
+    edited, as a new file (see `_backup`). The edited text must load (with `overrides`, those setting
+    the bucket size left out) with the new value before it replaces the file, atomically, from a
+    temporary file in the same folder. Returns a line to print."""
     path = Path(path)
-    text = path.read_text(encoding="utf-8")
+    target = Path(os.path.realpath(path))  # NOTE: replacing `path` itself would turn a link into a plain file
+    if not target.is_file():
+        raise TuneError(f"{path}: not a regular file; not written")
+    data = target.read_bytes()
+    st = os.stat(target)
+    text = data.decode("utf-8")
     try:
         current = (yaml.safe_load(text) or {}).get("train", {}).get("parallel", {}).get("bucket_cap_mb")
     except (yaml.YAMLError, AttributeError):
@@ -402,22 +435,23 @@ def write_bucket_cap(path: Path, v: float, overrides: list[str] | tuple[str, ...
         raise TuneError(f"{path}: cannot set bucket_cap_mb with a minimal edit of this file; set "
                         f"train.parallel.bucket_cap_mb: {_number(v)} there yourself")
     keep = [o for o in overrides if not o.partition("=")[0].strip().endswith("bucket_cap_mb")]
-    tmp = path.with_name(f".{path.name}.tune-{os.getpid()}.tmp")
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.tune-", suffix=".tmp", dir=target.parent)
+    tmp = Path(name)
     try:
-        with open(tmp, "w", encoding="utf-8", newline="") as f:
+        with os.fdopen(fd, "w", encoding="utf-8", newline="") as f:
             f.write(new)
             f.flush()
-            os.fsync(f.fileno())
-        shutil.copymode(path, tmp)
+            os.fsync(fd)
+            os.fchmod(fd, stat.S_IMODE(st.st_mode))
         try:
             loaded = config_mod.load(tmp, keep).train.parallel.bucket_cap_mb
         except ConfigError as err:
             raise TuneError(f"{path}: the edited file does not load ({err}); not written") from None
         if loaded != v:
             raise TuneError(f"{path}: the edited file reads bucket_cap_mb={loaded:g}, not {v:g}; not written")
-        backup = path.with_name(path.name + ".bak")
-        shutil.copy2(path, backup)
-        os.replace(tmp, path)
+        backup = _backup(target, data, st)
+        os.replace(tmp, target)
     finally:
         tmp.unlink(missing_ok=True)
-    return f"wrote train.parallel.bucket_cap_mb: {_number(v)} to {path} (the original is {backup})"
+    where = f"{target} (the target of {path})" if path.is_symlink() else str(path)
+    return f"wrote train.parallel.bucket_cap_mb: {_number(v)} to {where} (the original is {backup})"
