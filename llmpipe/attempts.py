@@ -269,8 +269,9 @@ def last_failure(run_dir: Path, stage_folder: str) -> tuple[Kept, str] | None:
     found = kept(run_dir, FAILED, stage_folder)
     if not found:
         return None
-    try:
-        first = (found[0].path / ERROR_FILE).read_text(encoding="utf-8").splitlines()[0]
+    try:  # untrusted like any file in the run folder: a bounded read, any bytes
+        with open(found[0].path / ERROR_FILE, "rb") as f:
+            first = f.read(4096).decode("utf-8", errors="replace").splitlines()[0]
     except (OSError, IndexError):
         first = "(no error.txt)"
     return found[0], first

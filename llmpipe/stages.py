@@ -363,6 +363,7 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
              inputs: dict[str, tuple[Path, Manifest]], executor: Callable | None = None) -> Manifest:
     name, run_dir = spec.name, cfg.run_dir()
     final, partial = stage_dir(run_dir, name), partial_dir(run_dir, name)
+    attempts.check_folders(run_dir)  # a symlinked superseded/ or failed/: refused before any work
     _prepare_partial(partial, fps[name], spec, run_dir)
     started, t0 = _now(), time.monotonic()
     log.info("%s: running (fingerprint %s)", name, fps[name][:12])

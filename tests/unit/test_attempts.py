@@ -70,3 +70,10 @@ def test_repoint_leaves_paths_that_were_not_kept():
     work, kept = Path("/x/.02_train.partial"), Path("/nonexistent/failed/02_train-1")
     assert attempts.repoint(f"see {work}/checkpoints/step-1.", work, kept) == f"see {work}/checkpoints/step-1."
 
+
+
+def test_an_error_file_of_invalid_utf8_or_huge_still_gives_its_first_line(tmp_path):
+    kept = tmp_path / "run" / attempts.FAILED / "05_convert_om-20240101T000000Z"
+    kept.mkdir(parents=True)
+    (kept / attempts.ERROR_FILE).write_bytes(b"StageError: bad \xff byte\n" + b"x" * (64 << 20))
+    assert attempts.last_failure(tmp_path / "run", "05_convert_om")[1] == "StageError: bad \ufffd byte"

@@ -160,3 +160,16 @@ def test_the_failed_attempts_rotation_unlinks_a_symlink_and_leaves_its_target(tm
         assert attempts.keep_failure(work, run_dir, "05_convert_om", RuntimeError("x")) is not None
     assert not os.path.lexists(link) and (target / "checkpoints" / "model.pt").is_file()
     assert len(list((run_dir / "failed").iterdir())) == attempts.FAILED_KEEP
+
+
+def test_a_stage_is_refused_before_any_work_when_superseded_is_a_symlink(tmp_path, monkeypatch):
+    cfg = _cfg(tmp_path)
+    run_dir = cfg.run_dir()
+    run_dir.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    _link(run_dir / "superseded", tmp_path / "elsewhere")
+    fps, ran = stages.fingerprints(cfg), []
+    monkeypatch.setattr(stages, "_resolve", lambda entry: ran.append)
+    with pytest.raises(attempts.KeptFolderError, match=r"superseded is a symlink \(to "):
+        stages._execute(stages.SPECS["train"], cfg, fps, {})
+    assert ran == [] and not (run_dir / ".02_train.partial").exists()
