@@ -18,6 +18,7 @@ import yaml
 
 from llmpipe.config import STAGES
 from llmpipe.manifest import Manifest
+from llmpipe.stages import stage_dir
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -118,7 +119,7 @@ def test_deployment_run_watch_completes_the_pipeline(server, tmp_path):
     assert "Completed" in out.stdout
     run_dir = tmp_path / "artifacts" / "deployed"
     for stage in STAGES:
-        folder = run_dir / f"{STAGES.index(stage) + 1:02d}_{stage}"
+        folder = stage_dir(run_dir, stage)
         manifest = Manifest.read(folder)
         assert manifest is not None and manifest.verify(folder) is None, stage
     assert Manifest.read(run_dir / "02_train").metrics["steps"] == 3  # the override reached the flow

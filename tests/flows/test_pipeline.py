@@ -14,6 +14,7 @@ import yaml
 
 from llmpipe.config import STAGES
 from llmpipe.manifest import Manifest
+from llmpipe.stages import stage_dir
 
 pytestmark = pytest.mark.slow
 LLMPIPE = str(Path(sys.executable).with_name("llmpipe"))
@@ -40,7 +41,7 @@ def _write_config(folder: Path) -> Path:
 
 
 def _snapshot(run_dir: Path, stage: str) -> dict[str, float]:
-    folder = run_dir / f"{STAGES.index(stage) + 1:02d}_{stage}"
+    folder = stage_dir(run_dir, stage)
     return {str(p): p.stat().st_mtime_ns for p in folder.rglob("*") if p.is_file()}
 
 
@@ -83,7 +84,7 @@ def test_all_six_stages_run(first_run):
     md = report.markdown(config_mod.load(first_run[0]))
     assert "| benchmark | done | completed |" in md and "| convert_om | done | skipped |" in md
     for stage in STAGES:
-        folder = run_dir / f"{STAGES.index(stage) + 1:02d}_{stage}"
+        folder = stage_dir(run_dir, stage)
         assert Manifest.read(folder).verify(folder) is None
 
 
@@ -132,7 +133,7 @@ def test_injected_failure_then_rerun_executes_that_stage_onward(first_run, monke
     train_to_deploy(config=config)  # start from an up-to-date run
     k = STAGES.index(stage)
     earlier = {s: _snapshot(run_dir, s) for s in STAGES[:k]}
-    digests = {s: Manifest.read(run_dir / f"{STAGES.index(s) + 1:02d}_{s}").outputs for s in STAGES[:k]}
+    digests = {s: Manifest.read(stage_dir(run_dir, s)).outputs for s in STAGES[:k]}
     monkeypatch.setenv("LLMPIPE_FAIL_STAGE", stage)
     with pytest.raises(Exception, match=f"{stage}: failure injected by LLMPIPE_FAIL_STAGE"):
         train_to_deploy(config=config, overrides=[change])
@@ -142,12 +143,12 @@ def test_injected_failure_then_rerun_executes_that_stage_onward(first_run, monke
     # The changed stage runs; a later one runs again only if the bytes it reads changed.
     assert executed[0] == stage and set(executed) <= set(STAGES[k:])
     for s in set(STAGES[k:]) - set(executed):
-        recorded = Manifest.read(run_dir / f"{STAGES.index(s) + 1:02d}_{s}").inputs
-        assert all(recorded[d] == Manifest.read(run_dir / f"{STAGES.index(d) + 1:02d}_{d}").content_digest()
+        recorded = Manifest.read(stage_dir(run_dir, s)).inputs
+        assert all(recorded[d] == Manifest.read(stage_dir(run_dir, d)).content_digest()
                    for d in recorded)
     assert {s: _snapshot(run_dir, s) for s in STAGES[:k]} == earlier  # byte-for-byte untouched
     for s in STAGES[:k]:
-        folder = run_dir / f"{STAGES.index(s) + 1:02d}_{s}"
+        folder = stage_dir(run_dir, s)
         assert Manifest.read(folder).outputs == digests[s] and Manifest.read(folder).verify(folder) is None
 
 
