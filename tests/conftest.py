@@ -85,13 +85,13 @@ def torchrun(cfg: config_mod.RunConfig, data_dir: Path, out: Path, nproc: int = 
     """Train `cfg` on `nproc` gloo ranks under torchrun (as the train stage does); (exit code, output)."""
     import yaml
 
-    from llmpipe.train.launch import run_streaming, torchrun_argv
+    from llmpipe.train.launch import run_streaming, torchrun_argv, torchrun_env
 
     out.mkdir(parents=True, exist_ok=True)
     path = out / "config.yaml"
     path.write_text(yaml.safe_dump(cfg.to_dict()))
     lines: list[str] = []
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **torchrun_env()}
     code, _ = run_streaming(torchrun_argv(nproc, path, data_dir, out), lines.append, env=env)
     return code, "\n".join(lines)
 

@@ -15,10 +15,12 @@ import datetime
 import faulthandler
 import functools
 import gc
+import ipaddress
 import json
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 import traceback
@@ -52,17 +54,32 @@ def _init_distributed(cfg) -> None:
 
 
 def _attempt_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """torchrun's store, under a prefix per in-place restart; None: let init_process_group connect.
+    """The ranks' store: torchrun's agent's under a prefix per in-place restart, or rank 0's on a
+    loopback MASTER_ADDR (one node); None: let init_process_group connect (env://).
 
     NOTE: torchrun (2.4+) shares its rendezvous TCPStore with the ranks and keeps it across restarts
     (train.restarts), but the ranks use it without a per-attempt prefix, so a restarted group can read
     the previous attempt's gloo addresses and fail ("connectFullMesh failed ... Connection refused").
+    On one node the agent shares none (llmpipe.train.launch.torchrun_env) and each attempt gets a new port.
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    addr, port, world = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        store = dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+        return dist.PrefixStore(f"llmpipe/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
         return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                          is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"llmpipe/attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
+    if not ip.is_loopback:
+        return None
+    if int(os.environ["RANK"]) != 0:
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    # NOTE: a TCPStore server listens on every interface whatever host it is given (torch 2.13); handed
+    # a socket already bound to loopback, it listens there only (see llmpipe.train.launch).
+    family = socket.AF_INET6 if ip.version == 6 else socket.AF_INET
+    listener = socket.create_server((addr, port), family=family, backlog=max(128, world))
+    return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout, multi_tenant=True,
+                         master_listen_fd=listener.detach())  # the store owns the socket from here
 
 
 def _exit(code: int) -> None:

@@ -16,7 +16,7 @@ from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
 from llmpipe.train import metrics as metrics_mod
 from llmpipe.train import warm
-from llmpipe.train.launch import TORCHRUN_LOGS, deepspeed_argv, run_streaming, torchrun_argv
+from llmpipe.train.launch import TORCHRUN_LOGS, deepspeed_argv, run_streaming, stderr_log, torchrun_argv, torchrun_env
 
 log = logging.getLogger("llmpipe.train")
 
@@ -26,6 +26,8 @@ def rank_env(cfg) -> dict[str, str]:
     OMP threads per rank, unbuffered output); `llmpipe tune` launches its short runs with it too."""
     env = dict(os.environ)
     env.update(dev.dist_env(cfg.run.device, cfg.train.dist_timeout_s, cfg.train.hccl))
+    if cfg.train.hostfile is None:  # torchrun (DeepSpeed's launcher otherwise): on one node, loopback only
+        env.update(torchrun_env(cfg.train.nodes))
     env.setdefault("OMP_NUM_THREADS", str(cfg.train.threads_per_proc or
                                           max(1, (os.cpu_count() or 1) // cfg.train.nproc_per_node)))
     env["PYTHONUNBUFFERED"] = "1"
@@ -57,7 +59,8 @@ def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]
         if t.node_rank >= t.nodes:
             raise StageError(f"train.node_rank={t.node_rank} but train.nodes={t.nodes} (0 ... {t.nodes - 1})")
         return torchrun_argv(t.nproc_per_node, config_path, data_dir, out, nnodes=t.nodes, node_rank=t.node_rank,
-                             rdzv_endpoint=t.rdzv_endpoint, rdzv_id=cfg.run.name, max_restarts=t.restarts)
+                             rdzv_endpoint=t.rdzv_endpoint, rdzv_id=cfg.run.name if t.nodes > 1 else None,
+                             max_restarts=t.restarts)
     return deepspeed_argv(Path(t.hostfile), t.nproc_per_node, config_path, data_dir, out,
                           master_addr=t.master_addr or hosts[0], master_port=t.master_port)
 
@@ -109,7 +112,9 @@ def run(ctx: StageContext) -> StageResult:
         agent_file.unlink(missing_ok=True)  # a previous attempt's
         env["TORCHELASTIC_ERROR_FILE"] = str(agent_file)
     since = time.time()
-    code, _ = run_streaming(argv, lambda line: log.info("%s", line), env=env)
+    # torchrun's own messages and its 40-line ChildFailedError report go to a file, not the console
+    code, _ = run_streaming(argv, lambda line: log.info("%s", line), env=env,
+                            stderr_to=out / TORCHRUN_LOGS / stderr_log(cfg.train.node_rank))
     if code != 0:
         raise failure(code, out / TORCHRUN_LOGS, agent_file, since)
     final = ckpt.latest_valid(out / "checkpoints")

@@ -135,3 +135,21 @@ def test_killed_pipeline_process_leaves_no_rank_behind(tmp_path):
     while _procs_matching(str(partial)) and time.monotonic() < deadline:
         time.sleep(0.3)
     assert _procs_matching(str(partial)) == []
+
+
+def test_a_failed_training_prints_one_error_line_and_keeps_torchruns_report_in_its_log(tmp_path):
+    path = _config(tmp_path, "report")
+    cfg = config_mod.load(path)
+    stages.run_stage("prepare_data", cfg)
+    env = {**os.environ, "LLMPIPE_RAISE": "2:1"}  # rank 1 raises at step 2
+    proc = _stage(["stage", "train", str(path)], env=env)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out[-3000:]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("error: training failed: torchrun exited with 1: rank 1 raised RuntimeError: "
+                           "LLMPIPE_RAISE: injected failure on rank 1 at step 2 (traceback: "), out[-3000:]
+    assert "ChildFailedError" not in out and "Traceback" not in out, out[-3000:]  # torchrun's 40-line report
+    assert "[rank0] step 1/40" in out  # the ranks' progress still shows
+    (kept,) = (cfg.run_dir() / "failed").glob("02_train-*")
+    log = (kept / "torchrun-logs" / "stderr-node0.log").read_text()
+    assert "ChildFailedError" in log and "injected failure on rank 1" in log

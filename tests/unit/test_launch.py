@@ -10,14 +10,21 @@ from pathlib import Path
 
 import pytest
 
-from llmpipe.train.launch import run_streaming, torchrun_argv
+from llmpipe.train.launch import run_streaming, torchrun_argv, torchrun_env
 
 
-def test_torchrun_argv_single_node():
-    argv = torchrun_argv(2, Path("c.yaml"), Path("data"), Path("out"), python="py")
-    assert argv == ["py", "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-                    "--max-restarts=0", "--monitor-interval=1", "--log-dir=out/torchrun-logs", "-m",
-                    "llmpipe.train.main", "--config", "c.yaml", "--data", "data", "--out", "out"]
+def test_torchrun_argv_single_node_meets_in_a_file_and_on_loopback_only():
+    argv = torchrun_argv(2, Path("c.yaml"), Path("data"), Path("out"), python="py", rdzv_id="x")
+    assert argv == ["py", "-m", "torch.distributed.run", "--nnodes=1", "--rdzv-backend=c10d",
+                    "--rdzv-endpoint=out/torchrun-logs/rendezvous.filestore",
+                    "--rdzv-conf=store_type=file,keep_alive_interval=3600", "--rdzv-id=x", "--local-addr=127.0.0.1",
+                    "--nproc-per-node=2", "--max-restarts=0", "--monitor-interval=1", "--log-dir=out/torchrun-logs",
+                    "-m", "llmpipe.train.main", "--config", "c.yaml", "--data", "data", "--out", "out"]
+    assert "--standalone" not in argv  # its rendezvous TCPStore listens on every interface
+    assert torchrun_env(1) == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}  # nor does the agent serve one
+    # a fresh rendezvous id per launch: the file keeps a finished launch's state, closed, under its id
+    ids = {a for _ in range(2) for a in torchrun_argv(1, Path("c"), Path("d"), Path("o")) if a.startswith("--rdzv-id")}
+    assert len(ids) == 2
 
 
 def test_a_training_run_leaves_no_temporary_folder_behind(tmp_path, data_dir, monkeypatch):
@@ -39,7 +46,8 @@ def test_torchrun_argv_multi_node_meets_at_a_c10d_rendezvous():
     assert "--standalone" not in argv
     assert argv[3:8] == ["--nnodes=4", "--node-rank=2", "--rdzv-backend=c10d", "--rdzv-endpoint=10.0.0.1:29400",
                          "--rdzv-id=llama7b"]
-    assert "--max-restarts=3" in argv
+    assert "--max-restarts=3" in argv and "--local-addr=127.0.0.1" not in argv
+    assert torchrun_env(4) == {}  # node 0's store must be reachable from the others
     with pytest.raises(ValueError, match="2 nodes need a rendezvous endpoint"):
         torchrun_argv(8, Path("c"), Path("d"), Path("o"), nnodes=2)
 
@@ -130,6 +138,17 @@ def test_run_streaming_streams_lines_and_returns_the_exit_code():
     lines: list[str] = []
     code, tail = run_streaming([sys.executable, "-c", "print('a'); print('b'); raise SystemExit(3)"], lines.append)
     assert code == 3 and lines == ["a", "b"] and tail == ["a", "b"]
+
+
+def test_run_streaming_appends_stderr_to_a_file_when_told_and_streams_stdout_alone(tmp_path):
+    script = "import sys; print('out'); print('noise', file=sys.stderr); raise SystemExit(1)"
+    log = tmp_path / "logs" / "stderr.log"
+    for _ in range(2):  # a second launch appends
+        lines: list[str] = []
+        code, _ = run_streaming([sys.executable, "-c", script], lines.append, stderr_to=log)
+        assert code == 1 and lines == ["out"]
+    text = log.read_text().splitlines()
+    assert text[1::2] == ["noise", "noise"] and all(ln.startswith("=== ") for ln in text[::2])  # launch headers
 
 
 def test_timeout_kills_the_whole_process_group(tmp_path):
