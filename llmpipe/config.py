@@ -130,14 +130,26 @@ class DataSection(Section):
                                   "a LocalCluster on this machine.")
 
 
+# Bounds on a model's dimensions, for config overrides and an init_from config.json alike, so that an
+# absurd size is refused before anything is built (config.json with 10^6 layers of hidden 10^6 once
+# took 6 GB and minutes). Room above the largest real LLaMA (3.1 405B: 126 layers, hidden 16384, ffn
+# 53248, 128 heads, vocab 128256, 131072 positions): 8x the layers, 4x the hidden size, ~5x the ffn,
+# 8x the heads, 32x the vocabulary, 8x the context.
+MODEL_LIMITS = {"n_layers": 1024, "dim": 65536, "ffn_dim": 262144, "n_heads": 1024, "vocab_size": 1 << 22,
+                "max_seq_len": 1 << 20}
+
+
 class ModelSection(Section):
     flavor: str = Res("tiny", description="Named architecture in llmpipe.models.llama.flavors.")
-    dim: int | None = Res(None, ge=8, description="Override: hidden size.")
-    n_layers: int | None = Res(None, ge=1, description="Override: transformer blocks.")
-    n_heads: int | None = Res(None, ge=1, description="Override: attention heads.")
-    n_kv_heads: int | None = Res(None, ge=1, description="Override: key/value heads (GQA).")
-    ffn_dim: int | None = Res(None, ge=8, description="Override: SwiGLU intermediate size.")
-    max_seq_len: int | None = Res(None, ge=8, description="Override: longest sequence (RoPE table).")
+    dim: int | None = Res(None, ge=8, le=MODEL_LIMITS["dim"], description="Override: hidden size.")
+    n_layers: int | None = Res(None, ge=1, le=MODEL_LIMITS["n_layers"], description="Override: transformer blocks.")
+    n_heads: int | None = Res(None, ge=1, le=MODEL_LIMITS["n_heads"], description="Override: attention heads.")
+    n_kv_heads: int | None = Res(None, ge=1, le=MODEL_LIMITS["n_heads"], description="Override: key/value heads "
+                                 "(GQA).")
+    ffn_dim: int | None = Res(None, ge=8, le=MODEL_LIMITS["ffn_dim"], description="Override: SwiGLU intermediate "
+                              "size.")
+    max_seq_len: int | None = Res(None, ge=8, le=MODEL_LIMITS["max_seq_len"], description="Override: longest "
+                                  "sequence (RoPE table).")
     rope_theta: float | None = Res(None, gt=0, description="Override: RoPE base.")
     norm_eps: float | None = Res(None, gt=0, description="Override: RMSNorm epsilon.")
     init_from: str | None = Res(None, description="A Hugging Face LLaMA-family folder (LlamaForCausalLM or "

@@ -108,10 +108,41 @@ def _rope(c: dict, where: Path) -> tuple[float, dict | None]:
                    keys[3]: int(params[keys[3]])}
 
 
+# config.json's sizes and the ModelArgs field each becomes (whose bound, llmpipe.config.MODEL_LIMITS, it gets)
+_SIZES = (("num_hidden_layers", "n_layers"), ("hidden_size", "dim"), ("intermediate_size", "ffn_dim"),
+          ("num_attention_heads", "n_heads"), ("num_key_value_heads", "n_heads"), ("vocab_size", "vocab_size"),
+          ("max_position_embeddings", "max_seq_len"))
+
+
+def _sizes(c: dict, where: Path, max_seq_len: int | None) -> dict[str, int]:
+    """config.json's sizes, each an integer within llmpipe's bounds, checked before anything is
+    computed from them (a config.json with 10^6 layers of hidden 10^6 is refused here, in a line)."""
+    from llmpipe.config import MODEL_LIMITS
+
+    defaults = {"num_key_value_heads": c.get("num_attention_heads"), "max_position_embeddings": 2048}
+    out = {}
+    for key, field in _SIZES:
+        if key == "max_position_embeddings" and max_seq_len is not None:
+            out[key] = max_seq_len  # model.max_seq_len (bounded by the config) sizes the RoPE table instead
+            continue
+        value = c.get(key) if c.get(key) is not None else defaults.get(key)
+        if value is None:
+            raise HFFolderError(f"{where}: {key}: required field is missing")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise HFFolderError(f"{where}: {key}: expected an integer, got {value!r:.40}")
+        limit = MODEL_LIMITS[field]
+        if not 1 <= value <= limit:
+            hint = "; set model.max_seq_len to train shorter" if field == "max_seq_len" else ""
+            raise HFFolderError(f"{where}: {key}: {value} is outside 1..{limit}, llmpipe's bound on model.{field} "
+                                f"(far above the largest LLaMA){hint}")
+        out[key] = value
+    return out
+
+
 def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[ModelArgs, dict]:
     """ModelArgs for an HF LlamaForCausalLM / MistralForCausalLM folder, and facts the loader needs
-    (tie_word_embeddings, sliding_window). Anything llmpipe's model does not compute the same way is
-    refused with one line naming the field."""
+    (tie_word_embeddings, sliding_window). Anything llmpipe's model does not compute the same way, or
+    any size beyond llmpipe.config.MODEL_LIMITS, is refused with one line naming the field."""
     where = Path(folder) / CONFIG_JSON
     c = _read_json(where)
     archs = c.get("architectures") or []
@@ -120,23 +151,34 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[Mod
     for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
         if c.get(key, want) != want:
             raise HFFolderError(f"{where}: {key}: {c[key]!r} is not supported (llmpipe's LLaMA has {want!r})")
+    n = _sizes(c, where, max_seq_len)
     try:
-        dim, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
         theta, scaling = _rope(c, where)
-        args = ModelArgs(dim=dim, n_layers=int(c["num_hidden_layers"]), n_heads=heads,
-                         n_kv_heads=int(c.get("num_key_value_heads") or heads), vocab_size=int(c["vocab_size"]),
-                         ffn_dim=int(c["intermediate_size"]),
-                         max_seq_len=int(max_seq_len or c.get("max_position_embeddings", 2048)),
+        args = ModelArgs(dim=n["hidden_size"], n_layers=n["num_hidden_layers"], n_heads=n["num_attention_heads"],
+                         n_kv_heads=n["num_key_value_heads"], vocab_size=n["vocab_size"],
+                         ffn_dim=n["intermediate_size"], max_seq_len=n["max_position_embeddings"],
                          rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
-    except KeyError as err:
-        raise HFFolderError(f"{where}: {err.args[0]}: required field is missing") from None
-    except (TypeError, ValueError) as err:
+    except (TypeError, ValueError, OverflowError) as err:
         raise HFFolderError(f"{where}: {err}") from None
     if c.get("head_dim") not in (None, args.head_dim):
         raise HFFolderError(f"{where}: head_dim: {c['head_dim']} differs from hidden_size / num_attention_heads "
                             f"= {args.head_dim}, which llmpipe's LLaMA assumes")
     return args, {"tie_word_embeddings": bool(c.get("tie_word_embeddings", False)),
                   "sliding_window": c.get("sliding_window")}
+
+
+def param_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every parameter of llmpipe's Transformer(args), name -> shape, by arithmetic (what building it on
+    meta would give; tests/unit/test_hf_bounds.py holds the two equal)."""
+    d, hd, kv = args.dim, args.head_dim, args.n_kv_heads * args.head_dim
+    layer = {"attention.wq": (args.n_heads * hd, d), "attention.wk": (kv, d), "attention.wv": (kv, d),
+             "attention.wo": (d, args.n_heads * hd), "feed_forward.w1": (args.ffn_dim, d),
+             "feed_forward.w2": (d, args.ffn_dim), "feed_forward.w3": (args.ffn_dim, d),
+             "attention_norm": (d,), "ffn_norm": (d,)}
+    shapes = {"tok_embeddings.weight": (args.vocab_size, d)}
+    for i in range(args.n_layers):
+        shapes.update({f"layers.{i}.{name}.weight": shape for name, shape in layer.items()})
+    return {**shapes, "norm.weight": (d,), "output.weight": (args.vocab_size, d)}
 
 
 class HFWeights:
@@ -185,12 +227,7 @@ class HFWeights:
         return "model.embed_tokens.weight" if hf == "lm_head.weight" and self.tied and hf not in self._where else hf
 
     def _check_names(self) -> None:
-        import torch
-
-        from llmpipe.models.llama.model import Transformer
-
-        with torch.device("meta"):
-            expected = {n: tuple(p.shape) for n, p in Transformer(self.args).named_parameters()}
+        expected = param_shapes(self.args)  # by arithmetic: nothing is built before the shapes agree
         wanted = {self.hf_name(n) for n in expected}
         extra = sorted(set(self._where) - wanted)
         if extra:
