@@ -46,6 +46,20 @@ SUCCESS_LINE = "ATC run success"
 FRAMEWORK_ONNX = 5  # ATC's --framework: 0 Caffe, 1 MindSpore, 3 TensorFlow, 5 ONNX
 MIN_GEARS, MAX_GEARS = 2, 100  # ATC's bounds on the number of --dynamic_dims gears
 
+# The --soc_version names ATC accepts: its documentation gives them as "Ascend" + the chip name npu-smi
+# (or ascend-dmi) reports (Ascend310, Ascend310P*, Ascend310B*, Ascend910*; the Atlas A3 parts as
+# Ascend910_<NPU name>), and these are the parts CANN ships a platform_config/<name>.ini for. A name
+# outside the list is refused when the config loads (llmpipe.config_checks) instead of by ATC after
+# training; add a new chip here.
+SOC_VERSIONS = (
+    "Ascend310",
+    "Ascend310B1", "Ascend310B2", "Ascend310B3", "Ascend310B4",
+    "Ascend310P1", "Ascend310P3", "Ascend310P5", "Ascend310P7",
+    "Ascend910", "Ascend910A", "Ascend910B", "Ascend910ProA", "Ascend910ProB", "Ascend910PremiumA",
+    "Ascend910B1", "Ascend910B2", "Ascend910B2C", "Ascend910B3", "Ascend910B4", "Ascend910B4-1",
+    "Ascend910_9362", "Ascend910_9372", "Ascend910_9381", "Ascend910_9382", "Ascend910_9391", "Ascend910_9392",
+)
+
 # An error code at the start of a line: E10001, EZ3003, EE9999, EI0006 ... At least one digit after
 # the optional letter, so that a plain "ERROR:" or "EXAMPLE:" line is not taken for a code.
 _CODE_RE = re.compile(r"^(E[A-Z]?[0-9][0-9A-Z]{3,4})\b:\s*(.*)$")
@@ -89,6 +103,19 @@ def check_dynamic_dims(input_shape: str | None, dynamic_dims: str | None) -> Non
                              "(one value each)")
         if not all(v.isdigit() and int(v) > 0 for v in values):
             raise ValueError(f"convert_om.dynamic_dims: gear {i} ({gear!r}) must be positive integers")
+
+
+def check_soc_version(name: str) -> None:
+    """ValueError naming convert_om.soc_version, the value and the closest known names unless ATC
+    knows `name` (SOC_VERSIONS; the names are case-sensitive)."""
+    if name in SOC_VERSIONS:
+        return
+    import difflib
+
+    by_lower = {s.lower(): s for s in SOC_VERSIONS}
+    close = [by_lower[m] for m in difflib.get_close_matches(name.lower(), by_lower, n=4, cutoff=0.6)]
+    hint = f"closest: {', '.join(close)}" if close else "e.g. Ascend910B2, Ascend310P3"
+    raise ValueError(f"convert_om.soc_version: {name!r} is not an Ascend SoC that ATC knows ({hint})")
 
 
 def prefill_gears(dynamic_dims: str | None) -> list[int]:
@@ -407,11 +434,17 @@ def plan(ctx: StageContext) -> tuple[list[Graph], str | None]:
 # --------------------------------------------------------------------------- the stage
 
 
+def required_but_missing() -> str:
+    """The error when convert_om.required is true and ATC is not here: the stage's, and the pre-flight's
+    (llmpipe.config_checks), which finds it before training."""
+    return (f"convert_om.required is true but ATC was not found (PATH, CANN toolkit in "
+            f"{', '.join(_toolkit_dirs())}); install CANN and source set_env.sh, or set convert_om.atc_path")
+
+
 def _not_found(section: ConvertOmSection) -> StageResult:
     where = ", ".join(_toolkit_dirs())
     if section.required:
-        raise StageError(f"convert_om.required is true but ATC was not found (PATH, CANN toolkit in "
-                         f"{where}); install CANN and source set_env.sh, or set convert_om.atc_path")
+        raise StageError(required_but_missing())
     names = [PREFILL, DECODER] if section.decoder else [PREFILL]
     built = "model.om and decoder.om were" if section.decoder else "model.om was"
     reason = (f"ATC (CANN toolkit) not found on PATH or in {where}: {built} not built; "

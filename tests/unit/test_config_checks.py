@@ -122,15 +122,18 @@ def test_a_layout_that_does_not_fit_the_launch_fails_before_prepare_data(tmp_pat
     assert not (tmp_path / "artifacts" / "base" / "01_prepare_data").exists()
 
 
-def test_the_launch_check_counts_the_hostfile_and_waits_when_it_is_absent(tmp_path):
+def test_the_launch_check_counts_the_hostfile_and_names_it_when_it_is_absent(tmp_path):
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
     cfg = make_cfg(tmp_path, train__nproc_per_node=2, train__hostfile=str(hostfile))
     assert config_checks.launch_world(cfg) == (4, 2)
     config_checks.check_launch(cfg)  # dp inferred: 4 / (1 x 1)
     gone = make_cfg(tmp_path, train__hostfile=str(tmp_path / "elsewhere"), train__parallel={"dp": 64})
-    assert config_checks.launch_world(gone) is None
-    config_checks.check_launch(gone)  # not readable here: the train stage names it when it runs
+    assert config_checks.launch_world(gone) is None  # a fingerprint computed here does not need it
+    with pytest.raises(ConfigError) as err:  # a run that will train does (issue 22 item 5)
+        config_checks.check_launch(gone)
+    assert str(err.value) == (f"train.hostfile: {tmp_path / 'elsewhere'} is missing or lists no hosts "
+                              "('host slots=N' per line)")
 
 
 def test_the_launch_check_applies_only_to_a_run_that_will_train(tmp_path, monkeypatch):
@@ -224,3 +227,138 @@ def test_status_and_report_on_a_copied_run_act_on_the_copy(tmp_path, capsys):
     assert f"report: {written.resolve()}" in capsys.readouterr().out
     assert "<h1>llmpipe run copy2</h1>" in written.read_text()
     assert (base_report.read_bytes(), base_report.stat().st_mtime_ns) == before  # the original untouched
+
+
+# -- issue 22 item 5: what the config alone can tell, before prepare_data ---------------------------
+
+def _refused_by_run(config: Path, capsys, tmp_path: Path, *extra: str) -> str:
+    """`llmpipe run CONFIG` exits 2 with one error line, and prepare_data never started."""
+    assert cli.main(["run", str(config), *extra]) == 2
+    line = _last_error(capsys)
+    assert line.startswith(f"error: {config}: "), line
+    assert not (tmp_path / "artifacts" / "base" / "01_prepare_data").exists()
+    assert not list((tmp_path / "artifacts").glob("base/.01_prepare_data*"))
+    return line.removeprefix(f"error: {config}: ")
+
+
+def test_a_kv_cache_len_above_max_seq_len_fails_llmpipe_run_before_prepare_data(tmp_path, capsys):
+    config = _write_config(tmp_path, export={"kv_cache_len": 2048})  # tiny: max_seq_len 1024
+    assert _refused_by_run(config, capsys, tmp_path) == "export.kv_cache_len=2048 exceeds the model's max_seq_len=1024"
+
+
+def test_convert_om_required_without_atc_fails_llmpipe_run_before_prepare_data(tmp_path, capsys, monkeypatch):
+    from llmpipe.export import atc
+
+    empty = tmp_path / "empty-bin"
+    empty.mkdir()
+    monkeypatch.setenv("PATH", str(empty))  # no atc on PATH, and no CANN toolkit where it is looked for
+    monkeypatch.setattr(atc, "_toolkit_dirs", lambda: [str(tmp_path / "cann" / "latest")])
+    config = _write_config(tmp_path, convert_om={"required": True})
+    assert _refused_by_run(config, capsys, tmp_path) == (
+        f"convert_om.required is true but ATC was not found (PATH, CANN toolkit in {tmp_path / 'cann' / 'latest'}); "
+        "install CANN and source set_env.sh, or set convert_om.atc_path")
+
+
+def test_a_convert_om_atc_path_that_is_not_executable_fails_llmpipe_run_before_prepare_data(tmp_path, capsys):
+    config = _write_config(tmp_path, convert_om={"atc_path": str(tmp_path / "no-atc")})
+    assert _refused_by_run(config, capsys, tmp_path) == (
+        f"convert_om.atc_path: {str(tmp_path / 'no-atc')!r} is not an executable file")
+
+
+def test_the_atc_check_applies_only_when_convert_om_will_run(tmp_path, monkeypatch):
+    from llmpipe.export import atc
+
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(atc, "_toolkit_dirs", lambda: [str(tmp_path / "cann")])
+    cfg = make_cfg(tmp_path, convert_om={"required": True})
+    config_checks.check_before_run(cfg, ["prepare_data", "train", "consolidate", "export_onnx"], force=False)
+    with pytest.raises(ConfigError, match=r"^x.yaml: convert_om.required is true but ATC was not found"):
+        config_checks.check_before_run(cfg, ["convert_om", "benchmark"], force=False, source="x.yaml")
+    fake = make_cfg(tmp_path, convert_om={"required": True, "atc_path": str(ROOT / "tests" / "fakes" / "atc")})
+    config_checks.check_before_run(fake, ["convert_om"], force=True)  # the stage's own search finds it
+    monkeypatch.setattr("llmpipe.stages.state", lambda cfg, name, fp, full: ("done", None))
+    config_checks.check_before_run(cfg, ["convert_om", "benchmark"], force=False)  # converted already
+
+
+def test_an_unknown_soc_version_fails_llmpipe_run_naming_the_closest_names(tmp_path, capsys):
+    config = _write_config(tmp_path, convert_om={"soc_version": "Ascend910b3"})
+    assert _refused_by_run(config, capsys, tmp_path) == (
+        "convert_om.soc_version: 'Ascend910b3' is not an Ascend SoC that ATC knows "
+        "(closest: Ascend910B3, Ascend910B, Ascend910B4, Ascend910B2)")
+
+
+def test_every_soc_name_plan_deploy_sizes_for_that_atc_compiles_for_is_known(tmp_path):
+    from llmpipe import plan_deploy
+    from llmpipe.export.atc import SOC_VERSIONS
+
+    for name in ("Ascend910B", "Ascend910B1", "Ascend910B2", "Ascend910B3", "Ascend910B4", "Ascend310P3"):
+        assert name in plan_deploy.DEVICES and name in SOC_VERSIONS
+        config_mod.load(TINY, [f"convert_om.soc_version={name}"])
+
+
+def test_a_missing_hostfile_fails_llmpipe_run_before_prepare_data(tmp_path, capsys):
+    config = _write_config(tmp_path, train={"hostfile": str(tmp_path / "hosts")})
+    assert _refused_by_run(config, capsys, tmp_path) == (
+        f"train.hostfile: {tmp_path / 'hosts'} is missing or lists no hosts ('host slots=N' per line)")
+
+
+def test_a_missing_hostfile_is_not_needed_by_a_run_that_does_not_train(tmp_path):
+    cfg = make_cfg(tmp_path, train__hostfile=str(tmp_path / "hosts"))
+    config_checks.check_before_run(cfg, ["benchmark"], force=False)  # --only benchmark, on another machine
+
+
+@pytest.mark.parametrize("llm, expected", [
+    ({"prompt_lens": [32, 1024]}, "benchmark.llm.prompt_lens: 1024 does not fit the static decoder's cache of "
+                                  "1024 slots (export.kv_cache_len): prompts up to 1023 tokens"),
+    ({"decode_prompt_len": 1000, "new_tokens": 32}, "benchmark.llm: decode_prompt_len=1000 + new_tokens=32 does "
+                                                    "not fit the static decoder's cache of 1024 slots "
+                                                    "(export.kv_cache_len): their sum can be at most 1025"),
+], ids=["prompt_lens", "decode_prompt_len"])
+def test_benchmark_prompts_beyond_the_static_cache_fail_llmpipe_run_before_prepare_data(tmp_path, capsys, llm,
+                                                                                         expected):
+    config = _write_config(tmp_path, benchmark={"llm": llm})
+    assert _refused_by_run(config, capsys, tmp_path) == expected
+
+
+def test_benchmark_prompts_are_held_to_the_model_without_a_static_decoder():
+    config_mod.load(TINY, ["export.static_decoder=false", "benchmark.llm.prompt_lens=[1024]"])  # torch's cache
+    with pytest.raises(ConfigError, match=r"benchmark.llm.prompt_lens: 1025 does not fit the model's "
+                                          r"max_seq_len=1024: prompts up to 1024 tokens$"):
+        config_mod.load(TINY, ["export.static_decoder=false", "benchmark.llm.prompt_lens=[1025]"])
+    config_mod.load(TINY, ["export.kv_cache_len=600", "benchmark.llm.prompt_lens=[599]"])
+
+
+def _checkpoint(root: Path, model: dict) -> Path:
+    """A checkpoint folder as the train loop writes it (one file, meta.json with the model last)."""
+    from llmpipe.checkpoint import io as ckpt
+
+    def write(folder: Path) -> list[Path]:
+        (folder / ckpt.MODEL).write_bytes(b"weights")
+        return [folder / ckpt.MODEL]
+
+    return ckpt.save(root, 3, write, {"format": "full", "strategy": "DDPStrategy", "world_size": 1, "model": model})
+
+
+def test_a_resume_checkpoint_of_another_model_fails_llmpipe_run_before_prepare_data(tmp_path, capsys):
+    from llmpipe.models.llama import FLAVORS
+
+    other = _checkpoint(tmp_path / "ckpt", FLAVORS["debug"].to_dict())  # the config trains tiny
+    config = _write_config(tmp_path, train={"checkpoint": {"resume": str(other)}})
+    assert _refused_by_run(config, capsys, tmp_path) == (
+        f"train.checkpoint.resume: {other} holds another model than the config's: dim 64 (config 192), "
+        "n_layers 2 (config 4), n_heads 4 (config 6), ffn_dim 176 (config 512), max_seq_len 512 (config 1024)")
+
+
+def test_a_resume_checkpoint_of_the_same_model_passes_and_a_broken_one_is_named(tmp_path):
+    from llmpipe.models.llama import model_args
+
+    cfg = make_cfg(tmp_path)
+    same = _checkpoint(tmp_path / "same", model_args(cfg.model, vocab_size=999).to_dict())  # any vocabulary
+    config_checks.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(same)}))
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "meta.json").write_text("[" * 100_000)  # nested past the parser's stack
+    for folder, problem in ((tmp_path / "none", "missing or unreadable"), (broken, "missing or unreadable")):
+        with pytest.raises(ConfigError) as err:
+            config_checks.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(folder)}))
+        assert str(err.value) == f"train.checkpoint.resume: {folder / 'meta.json'} {problem}"

@@ -65,7 +65,8 @@ def test_cache_len_defaults_to_min_of_max_seq_len_and_1024(tmp_path):
     assert plan_deploy.deploy(_recipe(tmp_path)).cache_len == 1024  # llama-7b: max_seq_len 4096
     cfg = make_cfg(tmp_path, model={"flavor": "debug", "max_seq_len": 256})
     assert plan_deploy.deploy(cfg).cache_len == 256
-    assert plan_deploy.deploy(make_cfg(tmp_path, export={"kv_cache_len": 64})).cache_len == 64
+    short = {"prompt_lens": [32], "decode_prompt_len": 32, "new_tokens": 32}  # prompts that fit 64 slots
+    assert plan_deploy.deploy(make_cfg(tmp_path, export={"kv_cache_len": 64}, benchmark={"llm": short})).cache_len == 64
 
 
 def test_default_target_is_the_configs_soc_and_batches_come_from_the_benchmark(tmp_path):
@@ -101,8 +102,8 @@ def test_unknown_target_lists_the_known_names(tmp_path):
     msg = str(err.value)
     assert msg.startswith("--soc 'Ascend999': no memory bandwidth known for it (known: Ascend910B, ")
     assert "H200, L40S); give --memory-bandwidth-gbs (GB/s)" in msg
-    with pytest.raises(config_mod.ConfigError, match="^convert_om.soc_version 'Ascend999'"):
-        plan_deploy.deploy(make_cfg(tmp_path, convert_om={"soc_version": "Ascend999"}))
+    with pytest.raises(config_mod.ConfigError, match="^convert_om.soc_version 'Ascend310P1'"):  # ATC knows it
+        plan_deploy.deploy(make_cfg(tmp_path, convert_om={"soc_version": "Ascend310P1"}))
     with pytest.raises(config_mod.ConfigError, match="^--soc 'cpu'"):
         plan_deploy.deploy(make_cfg(tmp_path), "cpu")
 
