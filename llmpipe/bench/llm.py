@@ -136,11 +136,29 @@ def flat_rows(measured: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]
     """The prefill or decode rows of every engine, each with its variant, provider and error."""
     rows = []
     for m in measured:
-        if m["error"]:
-            rows.append({"variant": m["variant"], "provider": m["provider"], "error": m["error"]})
+        if m["error"]:  # the engine did not open or run: one row for all its measurements
+            rows.append({"variant": m["variant"], "provider": m["provider"], "error": m["error"],
+                         "engine_failed": True})
             continue
         rows += [{"variant": m["variant"], "provider": m["provider"], **r} for r in m[kind]]
     return rows
+
+
+def failed_everywhere(llm: dict[str, Any], prompt_lens: Sequence[int], batches: Sequence[int]) -> str | None:
+    """The first measurement no engine made, or None: a prompt length whose TTFT, or a batch whose TPOT,
+    is an error on every engine that was tried (the stage fails on it instead of completing with a
+    table of errors). Rows that only say why an engine was not tried (no OM model here) do not count."""
+    for kind, key, values, figure, what in (("prefill", "prompt_len", prompt_lens, "ttft_ms", "TTFT at prompt length"),
+                                            ("decode", "batch", batches, "tpot_ms", "TPOT at batch")):
+        failed = [r for r in llm[kind] if r.get("engine_failed")]
+        for value in values:
+            rows = [r for r in llm[kind] if r.get(key) == value] + failed
+            if rows and all(r.get(figure) is None for r in rows):
+                field = "prompt_lens" if key == "prompt_len" else "batches"
+                first = next(r for r in rows if r.get("error"))
+                return (f"benchmark.llm.{field}: {what} {value} failed on every engine ({len(rows)} tried; "
+                        f"{first['provider']}/{first['variant']}: {first['error']})")
+    return None
 
 
 def add_ratios(decode: list[dict], prefill: list[dict], baseline: str = "torch") -> None:

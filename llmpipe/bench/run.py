@@ -423,6 +423,9 @@ def run(ctx: StageContext) -> StageResult:
     with torch_threads(threads):
         results["llm"] = deploy.llm_results(models, providers, cfg, load_tokenizer(model_dir / TOKENIZER),
                                             ctx.cfg.run.seed)
+        nowhere = llm.failed_everywhere(results["llm"], cfg.llm.prompt_lens, cfg.llm.batches)
+        if nowhere:
+            raise StageError(f"benchmark: {nowhere}")
         results["quality"] = deploy.quality_results(models, ctx.input_path("prepare_data", "val_bin"),
                                                     ctx.inputs["train"][0], cfg, ctx.cfg.data.seq_len,
                                                     ctx.cfg.run.seed)
