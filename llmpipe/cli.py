@@ -247,6 +247,10 @@ def _run_stage(args: argparse.Namespace) -> int:
     from llmpipe.stages import run_stage
 
     cfg = config_mod.load(args.config, _overrides(args))
+    if args.stage in config_mod.STAGES:  # an unknown name is run_stage's to refuse
+        from llmpipe.config_checks import check_before_run  # launch, resume, ATC: before the stage runs
+
+        check_before_run(cfg, [args.stage], args.force, source=args.config)
     manifest, executed = run_stage(args.stage, cfg, force=args.force)
     report.write(cfg)
     word = manifest.status if executed else "up to date (skipped)"

@@ -302,6 +302,13 @@ def test_a_missing_hostfile_fails_llmpipe_run_before_prepare_data(tmp_path, caps
         f"train.hostfile: {tmp_path / 'hosts'} is missing or lists no hosts ('host slots=N' per line)")
 
 
+def test_llmpipe_stage_train_checks_the_hostfile_before_the_stage_runs(tmp_path, capsys):
+    config = _write_config(tmp_path, train={"hostfile": str(tmp_path / "hosts")})
+    assert cli.main(["stage", "train", str(config)]) == 2  # not "train needs prepare_data" (exit 1)
+    assert _last_error(capsys) == (f"error: {config}: train.hostfile: {tmp_path / 'hosts'} is missing or lists "
+                                   "no hosts ('host slots=N' per line)")
+
+
 def test_a_missing_hostfile_is_not_needed_by_a_run_that_does_not_train(tmp_path):
     cfg = make_cfg(tmp_path, train__hostfile=str(tmp_path / "hosts"))
     config_checks.check_before_run(cfg, ["benchmark"], force=False)  # --only benchmark, on another machine
