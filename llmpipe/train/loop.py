@@ -126,6 +126,10 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     problem = ckpt.verify(folder)
     if problem:
         raise ValueError(f"train.checkpoint.resume: {problem}")
+    step = ckpt.read_meta(folder).get("step")
+    if isinstance(step, int) and step > cfg.train.max_steps:
+        raise ValueError(f"train.checkpoint.resume: {folder} is at step {step}, past train.max_steps="
+                         f"{cfg.train.max_steps}")
     return folder
 
 
@@ -249,12 +253,18 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     folder = _resume_folder(cfg, Path(out_dir) / "checkpoints")
     if folder is not None:
         start, consumed = _restore(folder, strategy, cfg)
+    # Nothing left to train (max_steps 0, or a checkpoint at max_steps resumed): what was loaded is the
+    # result, saved as this folder's final checkpoint unless it is that one already (a resumed attempt).
+    final = ckpt.step_dir(Path(out_dir) / "checkpoints", start)
+    save_start = start == t.max_steps and (folder is None or Path(folder).resolve() != final.resolve())
+    if save_start and folder is not None and env.main:
+        log.info("%s is at train.max_steps=%d: nothing left to train; saved as %s", folder, start, final)
     if env.main:
         (Path(out_dir) / "model_config.json").write_text(json.dumps({"model": args.to_dict()}, indent=2) + "\n")
     writer = MetricsWriter(Path(out_dir), enabled=env.main, resume_step=start)
     loop = _Loop(cfg, env, args, strategy, sampler, train_shard, val_shard, writer)
     try:
-        summary = loop.run(start, consumed, Path(out_dir))
+        summary = loop.run(start, consumed, Path(out_dir), save_start)
     finally:
         writer.close()
         strategy.close()
@@ -325,7 +335,8 @@ class _Loop:
             log.info("step %d: val_loss %.4f  val_ppl %.2f", step, val, math.exp(min(val, 50)))
         return val
 
-    def run(self, start: int, consumed: int, out_dir: Path) -> dict[str, Any]:
+    def run(self, start: int, consumed: int, out_dir: Path, save_start: bool = False) -> dict[str, Any]:
+        """Train steps start+1 ... max_steps; `save_start`: checkpoint the state at `start` (= max_steps) as is."""
         t, env = self.cfg.train, self.env
         saver = _saver(self.cfg, env, self.strategy, out_dir)
         val0 = self._eval(start)
@@ -375,8 +386,8 @@ class _Loop:
                 if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
                     _save(saver, done, consumed, self.strategy, self.args, env, self.writer)
                 prof.step()
-            if t.max_steps == 0 and start == 0:  # max_steps 0: the initial (e.g. pretrained) weights as they are
-                _save(saver, 0, consumed, self.strategy, self.args, env, self.writer)
+            if save_start:  # max_steps 0: the initial (e.g. pretrained) weights; or the resumed final checkpoint
+                _save(saver, start, consumed, self.strategy, self.args, env, self.writer)
         saver.wait()  # the last asynchronous save
         val = self._eval(t.max_steps) if t.max_steps > start else val0
         steady = tok_s_hist[1:] or tok_s_hist

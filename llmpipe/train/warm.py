@@ -6,7 +6,10 @@ attempt of the same run is the starting point, provided the model architecture a
 (prepare_data's content digest) are unchanged; a checkpoint of another layout or world size is
 resharded on load (llmpipe.checkpoint.portable).
 Earlier attempts are the stage's completed folder (02_train) and the folders kept under
-superseded/; each holds `attempt.json` (written at launch: the data digest and the config it ran).
+superseded/; each holds `attempt.json` (written at launch: the data digest, the config it ran and
+the stage's fingerprint). An earlier attempt with this attempt's fingerprint (its manifest lost, or
+--force) that reached max_steps is this stage's result already: its final checkpoint is published
+as this attempt's without training.
 
 Carried over: weights, optimizer state, data position (consumed samples), RNG state; the optimizer
 hyperparameters and the lr schedule come from the new config (llmpipe.train.loop.retune).
@@ -50,9 +53,9 @@ class WarmStart:
                 f"carried over {', '.join(CARRIED)}; lr schedule and optimizer settings from the new config")
 
 
-def write_attempt(work_dir: Path, cfg: config_mod.RunConfig, data_digest: str) -> None:
-    (Path(work_dir) / ATTEMPT).write_text(json.dumps({"data": data_digest, "config": cfg.to_dict()}, indent=2)
-                                          + "\n")
+def write_attempt(work_dir: Path, cfg: config_mod.RunConfig, data_digest: str, fingerprint: str) -> None:
+    record = {"data": data_digest, "config": cfg.to_dict(), "fingerprint": fingerprint}
+    (Path(work_dir) / ATTEMPT).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def diff(old: Any, new: Any, prefix: str = "") -> dict[str, list]:
@@ -84,12 +87,18 @@ def _why_not(source: Path, model: dict, data_digest: str) -> tuple[str | None, d
     return None, attempt
 
 
-def _pick_checkpoint(source: Path, cfg, attempt: dict) -> tuple[Path, int] | None:
+def _pick_checkpoint(source: Path, cfg, attempt: dict, fingerprint: str) -> tuple[Path, int] | None:
     """Newest verified checkpoint of `source` usable here: before the new max_steps (so the attempt
     trains at least one step and writes its own final checkpoint), of any layout (resharded on load)
-    and, wsd on both sides, from the old run's stable phase."""
+    and, wsd on both sides, from the old run's stable phase. An attempt with this one's fingerprint
+    gives its checkpoint at max_steps first: the result itself (published without training)."""
     from llmpipe.optim import stable_until
 
+    final = ckpt.step_dir(source / "checkpoints", cfg.train.max_steps)
+    if attempt.get("fingerprint") == fingerprint and final.is_dir():
+        if ckpt.verify(final) is None:
+            return final, cfg.train.max_steps
+        log.warning("checkpoint %s does not verify; not published as this attempt's result", final)
     limit = cfg.train.max_steps - 1
     try:
         old_cfg = config_mod.from_dict(attempt["config"], source=str(source / ATTEMPT), check="fields")
@@ -110,15 +119,16 @@ def _pick_checkpoint(source: Path, cfg, attempt: dict) -> tuple[Path, int] | Non
     return None
 
 
-def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str) -> WarmStart | None:
-    """The warm start for this attempt, or None (its own checkpoints come first; resume must be auto)."""
+def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str, fingerprint: str) -> WarmStart | None:
+    """The warm start for this attempt (`fingerprint`: the stage's now), or None (its own checkpoints
+    come first; resume must be auto)."""
     resume = cfg.train.checkpoint.resume
     if not (resume is True or resume == "auto") or ckpt.latest_valid(Path(work_dir) / "checkpoints"):
         return None
     new_tree = cfg.to_dict()
     for source in _candidates(cfg.run_dir(), stage_folder):
         problem, attempt = _why_not(source, model, data_digest)
-        picked = None if problem else _pick_checkpoint(source, cfg, attempt)
+        picked = None if problem else _pick_checkpoint(source, cfg, attempt, fingerprint)
         if picked is None:
             log.info("no warm start from %s: %s", source,
                      problem or f"no verified checkpoint before max_steps {cfg.train.max_steps} "
@@ -139,15 +149,20 @@ def prepare(ctx) -> tuple[dict[str, Any], dict[str, Any] | None]:
     cfg, out = ctx.cfg, Path(ctx.work_dir)
     data_dir, data_manifest = ctx.inputs["prepare_data"]
     digest = data_manifest.content_digest()
-    write_attempt(out, cfg, digest)
+    write_attempt(out, cfg, digest, ctx.fingerprint)
     tree = cfg.to_dict()
     vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
     model = model_args(cfg.model, vocab_size=vocab).to_dict()
     from llmpipe.stages import stage_dir
 
-    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest)
+    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest, ctx.fingerprint)
     if found is not None:
-        log.info("%s", found.describe())
+        if found.step == cfg.train.max_steps:
+            log.info("%s is this stage's result already (an attempt with the same fingerprint, at train.max_steps="
+                     "%d): published without training (train.checkpoint.resume=never trains from scratch)",
+                     found.checkpoint, found.step)
+        else:
+            log.info("%s", found.describe())
         tree["train"]["checkpoint"]["resume"] = str(found.checkpoint)
         (out / WARM_START).write_text(json.dumps(found.to_dict(), indent=2, default=str) + "\n")
     try:

@@ -151,3 +151,59 @@ def test_wsd_extension_from_the_stable_phase_equals_the_longer_run_planned_from_
     a = load_file(str(planned.run_dir() / "02_train" / "checkpoints" / "step-000012" / "model.safetensors"))
     b = load_file(str(short.run_dir() / "02_train" / "checkpoints" / "step-000012" / "model.safetensors"))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # bitwise
+
+
+def _weights(folder: Path) -> dict:
+    return load_file(str(folder / "model.safetensors"))
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """The config of a finished 6-step one-rank training whose only checkpoint is the final one."""
+    tmp_path = tmp_path_factory.mktemp("finished")
+    path = _config(tmp_path, "finished", nproc_per_node=1, checkpoint={"keep_last": 1})
+    cfg = _load(path)
+    for s in ("prepare_data", "train"):
+        stages.run_stage(s, cfg)
+    assert [p.name for p in ckpt.list_steps(cfg.run_dir() / "02_train" / "checkpoints")] == ["step-000006"]
+    return path
+
+
+def test_resuming_the_checkpoint_at_max_steps_publishes_it_without_training(finished):
+    cfg = _load(finished)
+    final = cfg.run_dir() / "02_train" / "checkpoints" / "step-000006"
+    before = _weights(final)
+    manifest, executed = stages.run_stage("train", _load(finished, f"train.checkpoint.resume={final}"), force=True)
+    assert executed and manifest.metrics["resumed_from"] == 6
+    assert _steps(cfg.run_dir()) == []  # not one step trained
+    published = cfg.run_dir() / "02_train" / "checkpoints" / "step-000006"  # this attempt's, re-saved
+    assert ckpt.verify(published) is None and _same(_weights(published), before)
+
+
+def test_resuming_a_checkpoint_past_max_steps_is_one_line(finished, tmp_path):
+    final = _load(finished).run_dir() / "02_train" / "checkpoints" / "step-000006"
+    cfg = _load(finished, "run.name=shorter", "train.max_steps=4", f"train.checkpoint.resume={final}")
+    cfg.run_dir().mkdir(parents=True)
+    shutil.copytree(_load(finished).run_dir() / "01_prepare_data", cfg.run_dir() / "01_prepare_data")
+    with pytest.raises(stages.StageError) as info:
+        stages.run_stage("train", cfg)
+    line = str(info.value)
+    assert "\n" not in line and f"rank 0: train.checkpoint.resume: {final} is at step 6, past train.max_steps=4" \
+        in line, line
+
+
+def test_a_rerun_that_finds_its_own_result_without_a_manifest_publishes_it_without_training(tmp_path):
+    path = _config(tmp_path, "lost", nproc_per_node=1, checkpoint={"keep_last": 1})
+    cfg = _load(path)
+    for s in ("prepare_data", "train"):
+        stages.run_stage(s, cfg)
+    before = _weights(cfg.run_dir() / "02_train" / "checkpoints" / "step-000006")
+    (cfg.run_dir() / "02_train" / "manifest.json").unlink()  # lost: the stage is "missing" and runs again
+    manifest, executed = stages.run_stage("train", cfg)
+    assert executed and manifest.metrics["warm_start"]["step"] == 6 and manifest.metrics["resumed_from"] == 6
+    assert _steps(cfg.run_dir()) == []  # the same fingerprint at max_steps: the result, not trained again
+    assert _same(_weights(cfg.run_dir() / "02_train" / "checkpoints" / "step-000006"), before)
