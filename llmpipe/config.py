@@ -84,6 +84,10 @@ class TokenizerSection(Section):
                                   "documents (a corpus larger than memory); null: every document.")
     sample_bytes: int | None = Res(None, ge=1, description="... or of documents up to this many bytes of "
                                    "text in all; with sample_docs, whichever is reached first.")
+    doc_chars: int = Res(1 << 20, ge=1024, le=1 << 30, description="Train the BPE on at most this many "
+                         "characters of each document (its start, cut at whitespace): the trainer holds about "
+                         "100 bytes per character of distinct words, so one huge document cannot fill memory. "
+                         "Tokenization still reads every document whole.")
 
 
 class MinHashSection(Section):
@@ -112,6 +116,14 @@ class DataSection(Section):
     max_files: int | None = Res(None, ge=1, description="Read at most this many files (sorted order).")
     max_file_bytes: int = Res(64 << 20, ge=1, description="Whole-file documents (.txt, a .json array) larger "
                               "than this are skipped (with reason); record files are streamed, whatever their size.")
+    max_record_bytes: int = Res(16 << 20, ge=1, le=1 << 30, description="A record longer than this (a JSON "
+                                "line, an array element, a parquet or arrow value) is a bad record, counted "
+                                "and listed; an over-long line is read past in blocks, never held whole.")
+    external_symlinks: Literal["refuse", "follow"] = Res(
+        "refuse", description="A symlink matched by data.inputs whose target lies outside the folder its "
+        "pattern starts from (the part before the first wildcard): refuse (skipped and listed, so a corpus "
+        "folder cannot pull in /etc/shadow) or follow (read). Both log it. A path named without a "
+        "wildcard is read wherever it points.")
     tokenizer: TokenizerSection = Res(default_factory=TokenizerSection)
     dedup: Literal["none", "exact", "minhash"] = Res("exact", description="Drop documents whose normalised "
                                                      "text repeats an earlier one (exact) or is a near-duplicate "

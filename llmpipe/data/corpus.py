@@ -76,6 +76,25 @@ class Inputs:
 
     files: list[Path]
     symlink_loops: list[str]  # links (as matched) back to a folder on their own path, or ELOOP links
+    # matched paths that resolve outside the folder their pattern starts from: (path, target, folder),
+    # read or refused as data.external_symlinks says (a file also matched inside its tree is not listed)
+    external: list[tuple[str, str, str]] = field(default_factory=list)
+    refused: bool = False  # the external ones are not in `files`
+
+
+def _search_root(pattern: str) -> str | None:
+    """The folder a pattern's search starts from: its parts before the first wildcard; None for a
+    pattern without one (a path named outright, read wherever it points)."""
+    parts = pattern.split(os.sep)
+    for i, part in enumerate(parts):
+        if glob.has_magic(part):
+            return os.sep.join(parts[:i]) or (os.sep if pattern.startswith(os.sep) else os.curdir)
+    return None
+
+
+def _outside(real: str, root: str) -> bool:
+    top = os.path.realpath(root)
+    return real != top and not real.startswith(top.rstrip(os.sep) + os.sep)
 
 
 _LOOP = ("loop",)  # _dir_id of a link that cannot be resolved because it points at itself (ELOOP)
@@ -165,7 +184,7 @@ class _Glob:
                 yield from self._recurse(path, parts, i, stack + (child,))
 
 
-def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs:
+def find_inputs(patterns: Sequence[str], max_files: int | None = None, external_symlinks: str = "refuse") -> Inputs:
     """Files matched by `patterns` (recursive ** allowed), absolute, sorted, each file once. A folder
     saved by datasets' save_to_disk (state.json + dataset_info.json) that a pattern matches is one
     input, and '**' does not descend into it; other folders are not inputs.
@@ -173,20 +192,36 @@ def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs
     A file reached by several paths (symlinks, overlapping patterns) is kept once, under the first
     of its paths in sorted order. Raises DataError naming `data.inputs[i]` when a pattern matches
     no file. `max_files` keeps the first N in sorted order, so a capped run reads the same files.
+
+    A match that resolves outside the folder its pattern starts from (a symlink to /etc/shadow in a
+    corpus folder) is listed in `external`, and left out with `external_symlinks="refuse"`. Only
+    regular files and datasets folders are inputs: a FIFO or a device the pattern matches is never opened.
     """
     walk = _Glob()
     by_real: dict[str, str] = {}  # real path -> the path it is read (and shown) under
+    outside: dict[str, tuple[str, str]] = {}  # real path -> (path, root) of matches leaving their tree
+    inside: set[str] = set()  # real paths matched inside their tree
     for i, pattern in enumerate(patterns):
         expanded = expand_pattern(pattern)
+        root = _search_root(expanded)
         matched = False
         for p in walk(expanded):
             if os.path.isfile(p) or is_datasets_folder(p):
                 matched = True
                 path, real = os.path.abspath(p), os.path.realpath(p)
+                if root is not None and _outside(real, root):
+                    if real not in outside or path < outside[real][0]:
+                        outside[real] = (path, os.path.abspath(root))
+                    if external_symlinks == "refuse":
+                        continue
+                else:
+                    inside.add(real)
                 by_real[real] = min(path, by_real.get(real, path))
         if not matched:
             shown = repr(pattern) if expanded == pattern else f"{pattern!r} (-> {expanded!r})"
             raise DataError(f"data.inputs[{i}]: {shown} matched no files")
+    # a file also matched inside its own tree is read from there, whatever the setting
+    external = sorted((p, real, root) for real, (p, root) in outside.items() if real not in inside)
     folders = [real + os.sep for real in by_real if os.path.isdir(real)]
     if folders:  # e.g. 'ds/**' matched the datasets folder ds and its own files: the folder is the input
         by_real = {r: p for r, p in by_real.items() if not any(r.startswith(f) for f in folders)}
@@ -194,12 +229,13 @@ def find_inputs(patterns: Sequence[str], max_files: int | None = None) -> Inputs
     if max_files is not None and len(files) > max_files:
         log.info("data.max_files=%d: reading %d of %d matched files", max_files, max_files, len(files))
         files = files[:max_files]
-    return Inputs(files, sorted(walk.loops))
+    return Inputs(files, sorted(walk.loops), external, external_symlinks == "refuse")
 
 
-def expand_inputs(patterns: Sequence[str], max_files: int | None = None) -> list[Path]:
+def expand_inputs(patterns: Sequence[str], max_files: int | None = None,
+                  external_symlinks: str = "refuse") -> list[Path]:
     """find_inputs(...).files."""
-    return find_inputs(patterns, max_files).files
+    return find_inputs(patterns, max_files, external_symlinks).files
 
 
 class Piece(NamedTuple):
@@ -374,7 +410,7 @@ def fingerprint_extra(cfg) -> dict[str, Any]:
 
     h = hashlib.sha256()
     try:
-        files = expand_inputs(cfg.data.inputs, cfg.data.max_files)
+        files = expand_inputs(cfg.data.inputs, cfg.data.max_files, cfg.data.external_symlinks)
     except DataError as err:
         return {"inputs_error": str(err)}
     if cfg.data.tokenizer.path:

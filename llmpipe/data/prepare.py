@@ -38,7 +38,7 @@ from llmpipe.data import units as unit_mod
 from llmpipe.data.corpus import find_inputs
 from llmpipe.data.errors import DataError
 from llmpipe.data.shards import token_dtype
-from llmpipe.data.tokenizer import eos_id, load_tokenizer, split_text, train_tokenizer
+from llmpipe.data.tokenizer import TRAIN_PIECE_CHARS, eos_id, load_tokenizer, split_text, train_tokenizer, training_text
 from llmpipe.manifest import write_json_atomic
 from llmpipe.stages import StageContext, StageResult, stage_dir
 
@@ -116,7 +116,8 @@ def _documents(units: list, data: DataSection) -> Iterator[str]:
     progress = Progress("read for the tokenizer", sum(u.size for u in units), "B", "documents")
     try:
         for unit in units:
-            for text in read_unit(unit, data.text_field, data.max_file_bytes, errors):
+            for text in read_unit(unit, data.text_field, data.max_file_bytes, errors,
+                                  max_record_bytes=data.max_record_bytes):
                 if not filters.kind(text):
                     progress.update(0, 1)
                     yield text
@@ -164,7 +165,9 @@ def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int
         tok = load_tokenizer(out)
         return tok, eos_id(tok, cfg.eos_token), {"trained": True, "reused": True}
     t0 = time.monotonic()
-    docs: Iterator[str] | list[str] = _documents(units, data)
+    # NOTE: each document's start only (data.tokenizer.doc_chars): the trainer's memory grows with the
+    # distinct words it sees, about 100 bytes a character, so a 16 MB record of unique words took 1.9 GB
+    docs: Iterator[str] | list[str] = (training_text(d, cfg.doc_chars) for d in _documents(units, data))
     info: dict[str, Any] = {"trained": True}
     if cfg.sample_docs is not None or cfg.sample_bytes is not None:
         docs = sample_documents(docs, cfg.sample_docs, cfg.sample_bytes, seed)
@@ -173,8 +176,8 @@ def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int
         log.info("tokenizer: training on a seeded sample of %d documents (%s bytes)", len(docs),
                  _human(info["sample_bytes"]))
     # NOTE: in pieces cut at whitespace (tokenizer.split_text): the same words for BPE, bounded memory
-    tok = train_tokenizer((p for d in docs for p in split_text(d)), cfg.vocab_size, cfg.min_frequency,
-                          cfg.eos_token)
+    tok = train_tokenizer((p for d in docs for p in split_text(d, TRAIN_PIECE_CHARS)), cfg.vocab_size,
+                          cfg.min_frequency, cfg.eos_token)
     info["seconds"] = round(time.monotonic() - t0, 3)
     tok.save(str(out))
     shutil.copyfile(out, cached)
@@ -204,7 +207,8 @@ def units_cache(ctx: StageContext) -> Path:
 
 def _spec(data: DataSection, tok_path: Path, eos: int, dtype: np.dtype, fingerprint: str) -> dict[str, Any]:
     return {"tokenizer": str(tok_path), "eos": eos, "dtype": dtype.name, "text_field": data.text_field,
-            "max_file_bytes": data.max_file_bytes, "filters": data.filters.model_dump(), "dedup": data.dedup,
+            "max_file_bytes": data.max_file_bytes, "max_record_bytes": data.max_record_bytes,
+            "filters": data.filters.model_dump(), "dedup": data.dedup,
             "minhash": {"num_perm": data.minhash.num_perm, "ngram": data.minhash.ngram},
             "fingerprint": fingerprint}
 
@@ -246,12 +250,37 @@ def tokenize_units(units: list, spec: dict, cache: Path, executor, workers: int)
     return [metas[u.index] for u in units]
 
 
-def _totals(metas: list[dict]) -> tuple[dict[str, int], dict]:
-    """Summed counts of the units and their read errors, merged in corpus order."""
+def _external_links(inputs) -> Any:
+    """Log the matches that resolve outside their pattern's folder; an ErrorLog of the refused ones
+    (listed like unreadable files). DataError when nothing else is left to read."""
+    from llmpipe.data.readers import ErrorLog
+
+    refused = ErrorLog()
+    if not inputs.external:
+        return refused
+    path, target, root = inputs.external[0]
+    if not inputs.refused:
+        log.warning("data.inputs: %d symlink(s) read from outside the folder their pattern starts from "
+                    "(data.external_symlinks: follow), e.g. %s -> %s", len(inputs.external), path, target)
+        return refused
+    for link, real, top in inputs.external:
+        refused.add("skipped_file", link, "file", f"a symlink to {real}, outside {top} "
+                    "(data.external_symlinks: refuse)")
+    if not inputs.files:
+        raise DataError(f"data.inputs: every match is a symlink out of the folder its pattern starts from, e.g. "
+                        f"{path} -> {target}, outside {root}; set data.external_symlinks: follow to read them")
+    log.warning("data.inputs: %d symlink(s) to files outside the folder their pattern starts from not read "
+                "(data.external_symlinks: refuse), e.g. %s -> %s", len(inputs.external), path, target)
+    return refused
+
+
+def _totals(metas: list[dict], first=None) -> tuple[dict[str, int], dict]:
+    """Summed counts of the units and their read errors, merged in corpus order after `first` (an
+    ErrorLog of problems found before reading)."""
     from llmpipe.data.readers import ErrorLog
 
     counts: dict[str, int] = {}
-    errors = ErrorLog()
+    errors = first or ErrorLog()
     for m in metas:
         for key, value in m.items():
             if key in ("documents_read", "bytes_read", "documents", "tokens") or key.startswith("filtered_"):
@@ -300,10 +329,11 @@ def _run(ctx: StageContext) -> StageResult:
     from llmpipe.data.readers import plan_units
 
     data, out, seed = ctx.cfg.data, ctx.work_dir, ctx.cfg.run.seed
-    inputs = find_inputs(data.inputs, data.max_files)
+    inputs = find_inputs(data.inputs, data.max_files, data.external_symlinks)
     if inputs.symlink_loops:
         log.warning("data.inputs: %d symlink loop(s) not followed (each file is read once), e.g. %s",
                     len(inputs.symlink_loops), inputs.symlink_loops[0])
+    refused = _external_links(inputs)
     units = plan_units(inputs.files, data.unit_bytes)
     cache = units_cache(ctx)
     workers = data.workers or os.cpu_count() or 1
@@ -320,7 +350,7 @@ def _run(ctx: StageContext) -> StageResult:
     t0 = time.monotonic()
     metas = tokenize_units(units, spec, cache, ctx.executor, workers)
     tok_s = time.monotonic() - t0
-    counts, errors = _totals(metas)
+    counts, errors = _totals(metas, refused)
     _check_corpus(counts, errors, len(inputs.files))
     deduper = Deduper(data.dedup, data.minhash.threshold, data.minhash.num_perm)
     merged = unit_mod.merge(cache, metas, out, (OUTPUTS["train_bin"], OUTPUTS["val_bin"]), dtype,
@@ -332,6 +362,7 @@ def _run(ctx: StageContext) -> StageResult:
             "train_samples": max(0, (merged["train_tokens"] - 1) // data.seq_len),
             "val_samples": max(0, (merged["val_tokens"] - 1) // data.seq_len),
             "inputs": len(inputs.files), "units": len(units), "symlink_loops": len(inputs.symlink_loops),
+            "external_symlinks": len(inputs.external),
             "documents_read": counts.get("documents_read", 0), "filtered": filtered,
             "dedup": data.dedup, "duplicates_removed": merged["duplicates_removed"],
             "documents": merged["documents_kept"], "train_documents": merged["train_documents"],

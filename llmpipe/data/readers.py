@@ -13,6 +13,12 @@ from another process; merging unit logs in unit order gives the same log for any
 Error positions ("where") do not depend on the unit size either: a byte offset in an uncompressed
 JSON-lines file (counting lines would mean reading the file from its start for every unit), a line
 number in a compressed stream, a row number in parquet and arrow files.
+
+Inputs are untrusted: a record (a JSON line, an array element, a parquet or arrow value) longer than
+`max_record_bytes` is a bad record, and a line is read against that limit in blocks, so a line with
+no end (a compressed one-line bomb) is passed over without being held. A record whose text does not
+encode as UTF-8 (a lone surrogate from a JSON escape) is a bad record too. A datasets folder's
+state.json may name only regular files inside the folder.
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import codecs
 import gzip
 import io
 import json
+import os
 import re
+import stat
 import zlib
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
@@ -29,14 +37,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 MAX_EXAMPLES = 50  # examples an ErrorLog keeps; every problem is counted
 READ_BYTES = 1 << 18  # block size of streamed reads
 BATCH_ROWS = 1024  # parquet rows converted to Python at a time
+STATE_BYTES = 1 << 20  # a datasets state.json (a list of file names) larger than this is refused
 ERROR_KINDS = {
     "skipped_file": "a whole-file document or an input that cannot be opened: binary, not UTF-8, too big, "
                     "unreadable, not parquet/arrow",
-    "bad_record": "a record that is not JSON, not an object, lacks the text field or holds a non-string/null",
+    "bad_record": "a record that is not JSON, not an object, lacks the text field, holds a non-string/null, "
+                  "is longer than data.max_record_bytes or does not encode as UTF-8 (a lone surrogate)",
     "truncated_stream": "a compressed or arrow stream that ends early or is corrupt; what came before is kept",
     "missing_field": "a parquet file or datasets folder without a string column named text_field (once per input)",
     "bad_row_group": "a parquet row group that cannot be read; the next ones still are",
@@ -46,6 +57,7 @@ _COMPRESSED = {".jsonl.gz": "jsonl.gz", ".ndjson.gz": "jsonl.gz", ".json.gz": "j
                ".gz": "txt.gz", ".zst": "txt.zst"}
 _SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".parquet": "parquet"}
 _NOT_SPACE = re.compile(r"\S")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @dataclass(frozen=True)
@@ -146,10 +158,10 @@ def _ranges(path: Path, fmt: str, unit_bytes: int) -> list[tuple[int, int | None
             return _group([sum(meta.row_group(g).column(c).total_compressed_size for c in range(meta.num_columns))
                            for g in range(meta.num_row_groups)], unit_bytes)
         if fmt == "datasets":
-            return _group([b.get_total_buffer_size() for _, b, err in _folder_batches(path) if err is None],
-                          unit_bytes)
+            return _group([b.get_total_buffer_size() for _, b, err in _folder_batches(path, _arrow_files(path))
+                           if err is None], unit_bytes)
         return [(0, None, path.stat().st_size)]
-    except (OSError, UnicodeDecodeError, pa.ArrowException):
+    except (OSError, UnicodeDecodeError, pa.ArrowException, _Unusable):
         return [(0, None, 0)]
 
 
@@ -200,14 +212,16 @@ def _first_char(path: Path) -> str:
 # --------------------------------------------------------------------------- reading
 
 
-def read_unit(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def read_unit(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog, *,
+              max_record_bytes: int) -> Iterator[str]:
     """The documents of `unit` in file order; problems go to `log` (see ERROR_KINDS). Memory stays
-    flat in the file size: records are streamed; a whole-file document (txt, txt.gz, txt.zst) is at
-    most `max_file_bytes`, larger ones are skipped."""
-    return _READERS[unit.fmt](unit, text_field, max_file_bytes, log)
+    flat in the file size: records are streamed, each at most `max_record_bytes` (longer ones are bad
+    records, never held whole); a whole-file document (txt, txt.gz, txt.zst) is at most
+    `max_file_bytes`, larger ones are skipped."""
+    return _READERS[unit.fmt](unit, text_field, max_file_bytes, max_record_bytes, log)
 
 
-def _read_txt(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _read_txt(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     try:
         size = Path(unit.path).stat().st_size
         if size > max_file_bytes:
@@ -224,7 +238,7 @@ def _read_txt(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -
         yield text
 
 
-def _read_txt_stream(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _read_txt_stream(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     """A compressed text file is one document; a truncated one is dropped (it is the only document)."""
     try:
         with _open_stream(unit) as f:
@@ -262,32 +276,51 @@ def _whole_text(f: BinaryIO, limit: int, what: str = "") -> tuple[str | None, st
     return (text, "") if text.strip() else (None, "empty")
 
 
-def _read_jsonl(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _read_jsonl(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     try:
         with open(unit.path, "rb") as f:
             f.seek(unit.start)
-            yield from _records(_range_lines(f, unit.start, unit.stop), unit.path, text_field, log)
+            yield from _records(_range_lines(f, unit.start, unit.stop, limit), unit.path, text_field, limit, log)
     except OSError as err:
         log.add("skipped_file", unit.path, "file", f"unreadable ({err.strerror or err})")
 
 
-def _range_lines(f: BinaryIO, start: int, stop: int | None) -> Iterator[tuple[str, bytes]]:
-    """("byte N", line) for the lines starting in [start, stop); `f` is at `start`, a line start."""
+def _lines(f: BinaryIO, limit: int) -> Iterator[tuple[bytes | None, int]]:
+    """(line, size) for each line from where `f` is: the line's bytes with its newline, or None when
+    it holds more than `limit` bytes before its newline (then `size` is that count). An over-long line
+    is read past in blocks of READ_BYTES, never held: a 3 GB line without a newline costs one block."""
+    while raw := f.readline(limit + 1):
+        if len(raw) <= limit or raw.endswith(b"\n"):
+            yield raw, len(raw)
+            continue
+        size = len(raw)
+        while chunk := f.readline(READ_BYTES):
+            if chunk.endswith(b"\n"):
+                yield None, size + len(chunk) - 1
+                break
+            size += len(chunk)
+        else:
+            yield None, size
+
+
+def _range_lines(f: BinaryIO, start: int, stop: int | None, limit: int) -> Iterator[tuple[str, bytes | None, int]]:
+    """("byte N", line, size) for the lines starting in [start, stop) (see _lines); `f` is at `start`,
+    a line start."""
     pos = start
-    for raw in f:
+    for raw, size in _lines(f, limit):
         if stop is not None and pos >= stop:
             return
-        yield f"byte {pos}", raw.removeprefix(b"\xef\xbb\xbf") if pos == 0 else raw
-        pos += len(raw)
+        yield f"byte {pos}", raw.removeprefix(b"\xef\xbb\xbf") if pos == 0 and raw else raw, size
+        pos += len(raw) if raw is not None else size + 1
 
 
-def _read_jsonl_stream(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _read_jsonl_stream(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     lineno = 0
     try:
         with _open_stream(unit) as f:
-            for lineno, raw in enumerate(f, start=1):
-                yield from _records([(f"line {lineno}", raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 else raw)],
-                                    unit.path, text_field, log)
+            for lineno, (raw, size) in enumerate(_lines(f, limit), start=1):
+                raw = raw.removeprefix(b"\xef\xbb\xbf") if lineno == 1 and raw else raw
+                yield from _records([(f"line {lineno}", raw, size)], unit.path, text_field, limit, log)
     except STREAM_ERRORS as err:
         _stream_failed(unit, err, f"line {lineno + 1}", log)
 
@@ -299,9 +332,14 @@ def _stream_failed(unit: Unit, err: BaseException, where: str, log: ErrorLog) ->
         log.add("truncated_stream", unit.path, where, f"truncated or corrupt compressed stream ({_first_line(err)})")
 
 
-def _records(lines: Iterable[tuple[str, bytes]], path: str, text_field: str, log: ErrorLog) -> Iterator[str]:
-    """The `text_field` strings of JSON-lines records; blank lines are skipped, bad ones counted."""
-    for where, raw in lines:
+def _records(lines: Iterable[tuple[str, bytes | None, int]], path: str, text_field: str, limit: int,
+             log: ErrorLog) -> Iterator[str]:
+    """The `text_field` strings of JSON-lines records; blank lines are skipped, bad ones counted (an
+    over-long line comes as (where, None, its size))."""
+    for where, raw, size in lines:
+        if raw is None:
+            log.add("bad_record", path, where, _too_long(size, limit))
+            continue
         try:
             line = raw.decode("utf-8")
         except UnicodeDecodeError as err:
@@ -313,6 +351,9 @@ def _records(lines: Iterable[tuple[str, bytes]], path: str, text_field: str, log
             record = json.loads(line)
         except ValueError:
             log.add("bad_record", path, where, "not valid JSON")
+            continue
+        except RecursionError:
+            log.add("bad_record", path, where, "not valid JSON (nested too deeply)")
             continue
         text, why = _field(record, text_field)
         if text is None:
@@ -330,7 +371,16 @@ def _field(record: Any, text_field: str) -> tuple[str | None, str]:
     value = record[text_field]
     if not isinstance(value, str):
         return None, f"field {text_field!r} is {'null' if value is None else f'a {type(value).__name__}'}, not a string"
+    # NOTE: json.loads turns an escaped lone surrogate ("\\ud800", common in scraped text) into a str that
+    # no UTF-8 encoder (the tokenizer's included) accepts; only non-ASCII text can hold one.
+    if not value.isascii() and (m := _SURROGATE.search(value)):
+        return None, (f"field {text_field!r} does not encode as UTF-8 (a lone surrogate U+{ord(m.group()):04X} "
+                      f"at character {m.start()})")
     return value, ""
+
+
+def _too_long(size: int, limit: int) -> str:
+    return f"over data.max_record_bytes ({size} > {limit} bytes)"
 
 
 class _ArrowRaw(io.RawIOBase):
@@ -368,23 +418,24 @@ def _open_stream(unit: Unit) -> BinaryIO:
 STREAM_ERRORS = (OSError, EOFError, zlib.error, pa.ArrowException)
 
 
-def _read_json(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _read_json(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     """A .json file: an array of records (one unit, streamed) or JSON lines (possibly split)."""
     try:
         if unit.start > 0 or _first_char(Path(unit.path)) != "[":
-            yield from _read_jsonl(unit, text_field, max_file_bytes, log)
+            yield from _read_jsonl(unit, text_field, max_file_bytes, limit, log)
             return
         with open(unit.path, "rb") as f:
-            yield from _json_array(f, unit.path, text_field, log)
+            yield from _json_array(f, unit.path, text_field, limit, log)
     except UnicodeDecodeError as err:
         log.add("bad_record", unit.path, "file", f"not UTF-8 ({err.reason}); the rest of the array is not read")
     except OSError as err:
         log.add("skipped_file", unit.path, "file", f"unreadable ({err.strerror or err})")
 
 
-def _json_array(f: BinaryIO, path: str, text_field: str, log: ErrorLog) -> Iterator[str]:
+def _json_array(f: BinaryIO, path: str, text_field: str, limit: int, log: ErrorLog) -> Iterator[str]:
     """The records of a JSON array, one at a time (json.JSONDecoder.raw_decode over a growing buffer):
-    memory holds one record and one block, whatever the file size."""
+    memory holds one record and one block, whatever the file size. A record of more than `limit`
+    characters ends the read (finding its end would mean holding it)."""
     text = _Chars(f)
     decode = json.JSONDecoder().raw_decode
     text.next_char()
@@ -398,12 +449,22 @@ def _json_array(f: BinaryIO, path: str, text_field: str, log: ErrorLog) -> Itera
                 record, end = decode(text.buf, text.pos)
             except ValueError:
                 record, end = None, -1
+            except RecursionError:
+                log.add("bad_record", path, f"record {i}", "not valid JSON (nested too deeply); the rest of the "
+                        "array is not read")
+                return
             # a number or literal may go on in the next block: accept a value only if text follows it
             if end >= 0 and (end < len(text.buf) or text.eof):
+                break
+            if len(text.buf) - text.pos > limit:
                 break
             if not text.more():
                 log.add("bad_record", path, f"record {i}", "not valid JSON; the rest of the array is not read")
                 return
+        if (end if end >= 0 else len(text.buf)) - text.pos > limit:
+            log.add("bad_record", path, f"record {i}", f"over data.max_record_bytes (more than {limit} "
+                    "characters); the rest of the array is not read")
+            return
         value, why = _field(record, text_field)
         if value is None:
             log.add("bad_record", path, f"record {i}", why)
@@ -457,15 +518,33 @@ def _string_column(schema, text_field: str) -> str | None:
     return None
 
 
-def _texts(column, path: str, where: Callable[[int], str], text_field: str, log: ErrorLog) -> Iterator[str]:
-    for i, value in enumerate(column.to_pylist()):
-        if value is None:
-            log.add("bad_record", path, where(i), f"field {text_field!r} is null")
-        else:
+def _texts(column, path: str, where: Callable[[int], str], text_field: str, limit: int,
+           log: ErrorLog) -> Iterator[str]:
+    """The column's strings; nulls and values of more than `limit` bytes are bad records (measured in
+    arrow, so an over-long value never becomes a Python str)."""
+    sizes = _byte_lengths(column)
+    if (pc.max(sizes).as_py() or 0) <= limit:
+        values = column.to_pylist()
+    else:
+        sizes = sizes.to_pylist()
+        values = [None if n is None or n > limit else column[i].as_py() for i, n in enumerate(sizes)]
+    for i, value in enumerate(values):
+        if value is not None:
             yield value
+        elif column[i].is_valid:
+            log.add("bad_record", path, where(i), _too_long(sizes[i], limit))
+        else:
+            log.add("bad_record", path, where(i), f"field {text_field!r} is null")
 
 
-def _read_parquet(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _byte_lengths(column):
+    try:
+        return pc.binary_length(column)
+    except pa.ArrowNotImplementedError:  # string_view has no kernel (pyarrow 26)
+        return pc.binary_length(column.cast(pa.large_string()))
+
+
+def _read_parquet(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     """The unit's row groups, only the text column, BATCH_ROWS rows at a time."""
     import pyarrow.parquet as pq
 
@@ -485,20 +564,61 @@ def _read_parquet(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLo
         first = row
         try:
             for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=[text_field]):
-                yield from _texts(batch.column(0), unit.path, lambda i, r=row: f"row {r + i}", text_field, log)
+                yield from _texts(batch.column(0), unit.path, lambda i, r=row: f"row {r + i}", text_field, limit,
+                                  log)
                 row += batch.num_rows
         except (OSError, pa.ArrowException) as err:
             log.add("bad_row_group", unit.path, f"row group {g}", _first_line(err))
         row = first + meta.row_group(g).num_rows
 
 
-def _arrow_files(folder: Path) -> list[Path]:
-    """The folder's arrow files in the dataset's order (state.json's _data_files)."""
+class _Unusable(Exception):
+    """A datasets folder whose state.json cannot be used, or a file it names that is refused; str: why."""
+
+
+def _arrow_files(folder: Path) -> list[str]:
+    """The names of the folder's arrow files in the dataset's order (state.json's _data_files).
+    Raises _Unusable when state.json is not a JSON object with a list of {"filename": str}."""
     try:
-        names = [d["filename"] for d in json.loads((folder / "state.json").read_text(encoding="utf-8"))["_data_files"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        names = sorted(p.name for p in folder.glob("data-*.arrow"))
-    return [folder / n for n in names]
+        with open(folder / "state.json", "rb") as f:
+            raw = f.read(STATE_BYTES + 1)
+    except OSError as err:
+        raise _Unusable(f"state.json is unreadable ({err.strerror or err})") from None
+    if len(raw) > STATE_BYTES:
+        raise _Unusable(f"state.json is over {STATE_BYTES} bytes")
+    try:
+        state = json.loads(raw)
+    except RecursionError:
+        raise _Unusable("state.json is not valid JSON (nested too deeply)") from None
+    except ValueError:
+        raise _Unusable("state.json is not valid JSON") from None
+    files = state.get("_data_files") if isinstance(state, dict) else None
+    if not isinstance(files, list):
+        raise _Unusable("state.json has no _data_files list")
+    names = []
+    for i, entry in enumerate(files):
+        name = entry.get("filename") if isinstance(entry, dict) else None
+        if not isinstance(name, str):
+            kind = "missing" if name is None else f"a {type(name).__name__}, not a string"
+            raise _Unusable(f"state.json: _data_files[{i}].filename is {kind}")
+        names.append(name)
+    return names
+
+
+def _refused(folder: Path, name: str) -> str | None:
+    """Why a file state.json names is not opened: a name that leaves the folder (a path, '..', or a
+    symlink whose target is outside it), or not a regular file (opening a FIFO would wait forever)."""
+    if name in ("", ".", "..") or os.path.basename(name) != name:
+        return f"state.json names {name!r}, not a file in the folder"
+    path = folder / name
+    real, top = os.path.realpath(path), os.path.realpath(folder)
+    if not real.startswith(top.rstrip(os.sep) + os.sep):
+        return f"state.json names {name!r}, a symlink to {real}, outside the folder"
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None  # reading it reports why
+    return None if stat.S_ISREG(mode) else f"state.json names {name!r}, not a regular file"
 
 
 def _file_batches(path: Path) -> Iterator:
@@ -515,10 +635,14 @@ def _file_batches(path: Path) -> Iterator:
     yield from reader
 
 
-def _folder_batches(folder: Path) -> Iterator[tuple[Path, Any, BaseException | None]]:
-    """(file, batch, None) over the folder's arrow files, then (file, None, error) where a file cannot
-    be read further (the next file still is)."""
-    for path in _arrow_files(folder):
+def _folder_batches(folder: Path, names: list[str]) -> Iterator[tuple[Path, Any, BaseException | None]]:
+    """(file, batch, None) over the folder's arrow files `names`, then (file, None, error) where a file
+    cannot be read further (the next file still is); a refused file gives (file, None, _Unusable)."""
+    for name in names:
+        path = folder / name
+        if why := _refused(folder, name):
+            yield path, None, _Unusable(why)
+            continue
         try:
             for batch in _file_batches(path):
                 yield path, batch, None
@@ -526,18 +650,25 @@ def _folder_batches(folder: Path) -> Iterator[tuple[Path, Any, BaseException | N
             yield path, None, err
 
 
-def _read_datasets(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog) -> Iterator[str]:
+def _read_datasets(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     """Record batches [start, stop) of the folder's arrow files (numbered across files), column text_field.
 
     Every unit walks the batches before its own (headers only: the memory map is not read); a file
     error is counted by the unit whose range its position falls in, so once."""
+    try:
+        names = _arrow_files(Path(unit.path))
+    except _Unusable as err:
+        if unit.start == 0:  # once per folder
+            log.add("skipped_file", unit.path, "state.json", str(err))
+        return
     g, row, current = 0, 0, None
-    for path, batch, err in _folder_batches(Path(unit.path)):
+    for path, batch, err in _folder_batches(Path(unit.path), names):
         if unit.stop is not None and g >= unit.stop:
             return
         if err is not None:
             if g >= unit.start:
-                log.add("truncated_stream", unit.path, path.name, _first_line(err))
+                kind = "skipped_file" if isinstance(err, _Unusable) else "truncated_stream"
+                log.add(kind, unit.path, path.name, _first_line(err))
             continue
         if g == 0 and (why := _string_column(batch.schema, text_field)):
             if unit.start == 0:  # once per folder, not once per unit
@@ -547,7 +678,7 @@ def _read_datasets(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorL
             current, row = path, 0
         if g >= unit.start:
             yield from _texts(batch.column(text_field), unit.path,
-                              lambda i, p=path.name, r=row: f"{p} row {r + i}", text_field, log)
+                              lambda i, p=path.name, r=row: f"{p} row {r + i}", text_field, limit, log)
         g, row = g + 1, row + batch.num_rows
 
 
@@ -555,7 +686,7 @@ def _first_line(err: BaseException) -> str:
     return str(err).splitlines()[0] if str(err) else type(err).__name__
 
 
-_READERS: dict[str, Callable[[Unit, str, int, ErrorLog], Iterator[str]]] = {
+_READERS: dict[str, Callable[[Unit, str, int, int, ErrorLog], Iterator[str]]] = {
     "txt": _read_txt, "txt.gz": _read_txt_stream, "txt.zst": _read_txt_stream,
     "jsonl": _read_jsonl, "jsonl.gz": _read_jsonl_stream, "jsonl.zst": _read_jsonl_stream,
     "json": _read_json, "parquet": _read_parquet, "datasets": _read_datasets,

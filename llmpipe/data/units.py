@@ -76,7 +76,8 @@ def _documents(unit, spec: dict, errors, counts: dict[str, int]) -> Iterator[str
     from llmpipe.data.readers import read_unit
 
     filters = Filters(**spec["filters"])
-    for text in read_unit(unit, spec["text_field"], spec["max_file_bytes"], errors):
+    for text in read_unit(unit, spec["text_field"], spec["max_file_bytes"], errors,
+                          max_record_bytes=spec["max_record_bytes"]):
         counts["documents_read"] += 1
         # NOTE: no encoded copy of a (possibly huge) ASCII document just to count its bytes
         counts["bytes_read"] += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
@@ -141,7 +142,8 @@ def _keys(texts: list[str], spec: dict, hasher) -> np.ndarray:
 
 def process_unit(item: dict[str, Any]) -> dict[str, Any]:
     """Tokenize one unit (see the module docstring). `item`: {"unit": Unit.to_dict(), "units": folder,
-    "spec": {tokenizer, eos, dtype, text_field, max_file_bytes, filters, dedup, minhash, fingerprint}}.
+    "spec": {tokenizer, eos, dtype, text_field, max_file_bytes, max_record_bytes, filters, dedup, minhash,
+    fingerprint}}.
     Returns the unit's meta (also in its meta.json); a unit already done is not redone."""
     from llmpipe.data.dedup import MinHasher
     from llmpipe.data.readers import ErrorLog, Unit

@@ -19,13 +19,14 @@ from llmpipe.data.corpus import find_inputs
 from llmpipe.data.readers import MAX_EXAMPLES, ErrorLog, Unit, detect_format, plan_units, read_unit
 
 
-def _read(units: list[Unit], text_field: str = "text", max_file_bytes: int = 1 << 30) -> tuple[list[str], ErrorLog]:
+def _read(units: list[Unit], text_field: str = "text", max_file_bytes: int = 1 << 30,
+          max_record_bytes: int = 1 << 30) -> tuple[list[str], ErrorLog]:
     """Every unit's documents in order, and the unit logs merged in order (as prepare_data does)."""
     log, docs = ErrorLog(), []
     for unit in units:
         unit = Unit.from_dict(json.loads(json.dumps(unit.to_dict())))  # as it travels to a worker
         one = ErrorLog()
-        docs.extend(read_unit(unit, text_field, max_file_bytes, one))
+        docs.extend(read_unit(unit, text_field, max_file_bytes, one, max_record_bytes=max_record_bytes))
         log.merge(json.loads(json.dumps(one.to_dict())))
     return docs, log
 
@@ -151,7 +152,7 @@ def test_a_datasets_folder_is_read_without_datasets_and_split_into_units(tmp_pat
     assert detect_format(folder) == "datasets"
     code = ("import sys, json; from pathlib import Path; from llmpipe.data.readers import ErrorLog, plan_units, "
             "read_unit\nunits = plan_units([Path(sys.argv[1])], 1)\nlog = ErrorLog()\n"
-            "docs = [d for u in units for d in read_unit(u, 'text', 1 << 30, log)]\n"
+            "docs = [d for u in units for d in read_unit(u, 'text', 1 << 30, log, max_record_bytes=1 << 30)]\n"
             "print(json.dumps({'units': len(units), 'docs': docs, 'log': log.to_dict(), "
             "'datasets': 'datasets' in sys.modules}))")
     proc = subprocess.run([sys.executable, "-c", code, str(folder)], capture_output=True, text=True, check=True)
@@ -266,7 +267,7 @@ def test_reading_a_50_mb_jsonl_gz_keeps_memory_far_below_the_file_size(tmp_path:
     log = ErrorLog()
     tracemalloc.start()
     try:
-        n = sum(1 for _ in read_unit(unit, "text", 1 << 20, log))
+        n = sum(1 for _ in read_unit(unit, "text", 1 << 20, log, max_record_bytes=1 << 20))
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
