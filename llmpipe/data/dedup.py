@@ -38,6 +38,7 @@ SIGNATURE_DTYPE = np.uint32
 # duplicate: weigh misses 0.95. That gives 16 bands of 8 rows: 0.95 at 0.8, 0.99 at 0.85.
 LSH_WEIGHTS = (0.05, 0.95)  # (false positive, false negative)
 _NOT_ALNUM = re.compile(r"[^\w\s]|_")  # \w is str.isalnum() plus "_"
+SHINGLE_BATCH = 1 << 13  # shingles hashed at a time (MinHasher.signature)
 
 
 def normalize(text: str) -> str:
@@ -83,7 +84,10 @@ class MinHasher:
     def signature(self, text: str) -> np.ndarray:
         """(num_perm,) uint32: the minimum of each permuted shingle hash."""
         m = self._minhash(num_perm=self.num_perm, seed=self.seed, permutations=self._perms, scheme=SCHEME)
-        m.update_batch(shingles(text, self.ngram))
+        found = shingles(text, self.ngram)
+        # NOTE: in batches: update_batch builds an (n, num_perm) uint64 array, 1.7 GB for one 16 MB record
+        for i in range(0, len(found), SHINGLE_BATCH):
+            m.update_batch(found[i:i + SHINGLE_BATCH])  # the minimum over batches is the minimum over all
         return m.hashvalues
 
 

@@ -181,6 +181,21 @@ def test_the_tokenizer_trains_on_the_start_of_each_document_only(tmp_path: Path)
     assert meta["documents"] == len(DOCS) + 1  # the whole document is still tokenized
 
 
+def test_a_minhash_signature_of_a_long_record_is_computed_in_bounded_memory() -> None:
+    from llmpipe.data.dedup import MinHasher
+
+    text = " ".join(f"w{i}" for i in range(200_000))  # 1.3 MB: 200k shingles, a (200k, 128) uint64 array at once
+    hasher = MinHasher()
+    tracemalloc.start()
+    try:
+        signature = hasher.signature(text)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert signature.shape == (128,) and signature.dtype == "uint32"
+    assert peak < 80 << 20, f"peak {peak / 2**20:.0f} MB of allocations for a 1.3 MB record"
+
+
 _BOMB_CHILD = textwrap.dedent("""
     import json, sys
     from pathlib import Path
