@@ -129,7 +129,8 @@ def check_llm_bench(cfg: RunConfig, args) -> None:
     writes one, else the model's max_seq_len (PyTorch's cache). The engines' own rule
     (llmpipe.bench.decode): a prompt fills its slots and the first new token is picked from its last
     one, so a static cache holds prompts shorter than itself; each later token takes one slot but the
-    last, which is never fed back. Beyond it every engine's row is an error and the stage fails."""
+    last, which is never fed back. Beyond it every engine's row is an error and the stage fails. The
+    default prompt lengths are cut to those that fit (a model of a short context is no user error)."""
     from llmpipe.plan_deploy import cache_len  # not llmpipe.export.onnx's: that imports onnxruntime
 
     c = cfg.benchmark.llm
@@ -139,6 +140,9 @@ def check_llm_bench(cfg: RunConfig, args) -> None:
     else:
         context, where, longest = args.max_seq_len, f"the model's max_seq_len={args.max_seq_len}", args.max_seq_len
     too_long = [n for n in c.prompt_lens if n > longest]
+    if too_long and "prompt_lens" not in c.model_fields_set:  # the defaults, for a short context: those that fit
+        c.prompt_lens = [n for n in c.prompt_lens if n <= longest] or [longest]
+        too_long = []
     if too_long:
         raise ConfigError(f"benchmark.llm.prompt_lens: {too_long[0]} does not fit {where}: prompts up to "
                           f"{longest} tokens")

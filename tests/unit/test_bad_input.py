@@ -172,8 +172,8 @@ def test_bad_layout_is_refused_before_launch(tmp_path, capsys, key, value, msg):
     tree["train"]["parallel"]["dp"] = 1
     code, _ = _run(tmp_path, tree, capsys)  # prepare_data runs fine
     assert code == 0
-    code, line = _run(tmp_path, tree, capsys, stage="train")
-    assert code == 1 and msg in line and "nproc_per_node 1" in line, line
+    code, line = _run(tmp_path, tree, capsys, stage="train")  # the pre-flight: a config error, exit 2
+    assert code == 2 and msg in line and "nproc_per_node 1" in line, line
     assert len(line.splitlines()) == 1
     run_dir = tmp_path / "artifacts" / "bad"
     assert sorted(p.name for p in run_dir.iterdir() if "train" in p.name) == []  # no output, no .partial

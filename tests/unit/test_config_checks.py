@@ -369,3 +369,10 @@ def test_a_resume_checkpoint_of_the_same_model_passes_and_a_broken_one_is_named(
         with pytest.raises(ConfigError) as err:
             config_checks.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(folder)}))
         assert str(err.value) == f"train.checkpoint.resume: {folder / 'meta.json'} {problem}"
+
+
+def test_the_default_benchmark_prompts_are_cut_to_a_short_context_and_explicit_ones_refused(tmp_path):
+    cfg = make_cfg(tmp_path, export={"kv_cache_len": 100})  # defaults [32, 128]: 128 cannot fit 100 slots
+    assert cfg.benchmark.llm.prompt_lens == [32]
+    with pytest.raises(ConfigError, match=r"benchmark.llm.prompt_lens: 128 does not fit the static decoder's cache "):
+        make_cfg(tmp_path, export={"kv_cache_len": 100}, benchmark={"llm": {"prompt_lens": [32, 128]}})
