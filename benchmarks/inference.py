@@ -19,9 +19,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe import device  # noqa: E402
-from llmpipe.bench.ort import VARIANTS, make_variants  # noqa: E402
 from llmpipe.bench.run import TORCH, benchmark, markdown_table  # noqa: E402
 from llmpipe.export.onnx import export_prefill  # noqa: E402
+from llmpipe.infer.ort import VARIANTS, make_variants  # noqa: E402
 from llmpipe.models.llama import FLAVORS, Transformer  # noqa: E402
 
 

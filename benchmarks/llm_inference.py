@@ -3,7 +3,7 @@ cache, side by side in one run, as ratios.
 
 For each flavor (random-init weights: speed does not depend on the values) it exports the prefill
 graph and decoder_static.onnx with llmpipe's exporter, makes the INT8 variants, and measures with the
-benchmark stage's engines (llmpipe.bench.decode):
+benchmark stage's engines (llmpipe.infer.decode):
 
 - decode tokens/s at batch 1 (prompt 128, 128 new tokens): ORT fp32 / torch eager (goal >= 2.0) and
   ORT int8 / ORT fp32;
@@ -33,9 +33,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe import device  # noqa: E402
-from llmpipe.bench.decode import StaticEngine, TorchEngine, generate  # noqa: E402
-from llmpipe.bench.ort import create_session, quantize_int8  # noqa: E402
 from llmpipe.export.onnx import export_prefill, export_static_decoder, random_ids  # noqa: E402
+from llmpipe.infer.decode import StaticEngine, TorchEngine, generate  # noqa: E402
+from llmpipe.infer.ort import create_session, quantize_int8  # noqa: E402
 from llmpipe.models.llama import FLAVORS, Transformer  # noqa: E402
 
 WINDOWS = (64, 256, 512, 960)  # cache fill (tokens) at which per-token time is averaged over 32 steps

@@ -220,7 +220,7 @@ def _run_flow(args: argparse.Namespace) -> int:
     from llmpipe.stages import StageError, select
 
     selected = select(args.from_stage, only)  # validates stage names
-    from llmpipe.config_checks import check_before_run  # the launch world size, before prepare_data
+    from llmpipe.preflight import check_before_run  # the launch world size, before prepare_data
 
     check_before_run(cfg, selected, args.force or args.from_stage is not None, source=args.config)
     from flows.train_to_deploy import train_to_deploy
@@ -248,7 +248,7 @@ def _run_stage(args: argparse.Namespace) -> int:
 
     cfg = config_mod.load(args.config, _overrides(args))
     if args.stage in config_mod.STAGES:  # an unknown name is run_stage's to refuse
-        from llmpipe.config_checks import check_before_run  # launch, resume, ATC: before the stage runs
+        from llmpipe.preflight import check_before_run  # launch, resume, ATC: before the stage runs
 
         check_before_run(cfg, [args.stage], args.force, source=args.config)
     manifest, executed = run_stage(args.stage, cfg, force=args.force)

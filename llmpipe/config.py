@@ -14,7 +14,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from llmpipe.errors import UserError
+from llmpipe.errors import ConfigError
+from llmpipe.models.limits import MODEL_LIMITS
 
 STAGES = ("prepare_data", "train", "consolidate", "export_onnx", "convert_om", "benchmark")
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -46,10 +47,6 @@ def Op(default: Any = ..., **kw: Any) -> Any:  # noqa: N802
     """An operational field (see above); its description says so."""
     kw["description"] = kw.get("description", "") + _OP_NOTE
     return Field(default, json_schema_extra={ROLE: OPERATIONAL}, **kw)
-
-
-class ConfigError(UserError, ValueError):
-    """A user error in a config file or override; the message is one line meant for the user."""
 
 
 class Section(BaseModel):
@@ -140,15 +137,6 @@ class DataSection(Section):
                              "null: all cores.")
     dask_address: str | None = Op(None, description="An existing Dask scheduler, e.g. tcp://10.0.0.5:8786; null: "
                                   "a LocalCluster on this machine.")
-
-
-# Bounds on a model's dimensions, for config overrides and an init_from config.json alike, so that an
-# absurd size is refused before anything is built (config.json with 10^6 layers of hidden 10^6 once
-# took 6 GB and minutes). Room above the largest real LLaMA (3.1 405B: 126 layers, hidden 16384, ffn
-# 53248, 128 heads, vocab 128256, 131072 positions): 8x the layers, 4x the hidden size, ~5x the ffn,
-# 8x the heads, 32x the vocabulary, 8x the context.
-MODEL_LIMITS = {"n_layers": 1024, "dim": 65536, "ffn_dim": 262144, "n_heads": 1024, "vocab_size": 1 << 22,
-                "max_seq_len": 1 << 20}
 
 
 class ModelSection(Section):
@@ -625,12 +613,12 @@ def from_dict(tree: dict[str, Any], source: str = "config", *, check: Check = "m
     """Validate a config tree. `check`: "fields" validates the fields (and artifacts_dir) alone; "model"
     (the default) also what the config tells about itself at any world size: flavor, seq_len, layout
     against the model, ATC shapes (llmpipe.config_checks; the launch world size is checked by
-    config_checks.check_before_run when a run is about to train)."""
+    preflight.check_before_run when a run is about to train)."""
     try:
         cfg = RunConfig.model_validate(tree)
     except ValidationError as err:
         raise ConfigError(f"{source}: {_format_error(err, tree)}") from None
-    from llmpipe import config_checks  # lazily: its checks import torch, and it imports this module
+    from llmpipe import config_checks  # lazily: its checks import torch (it imports no config: no circle)
 
     try:
         config_checks.check_artifacts_dir(cfg.run.artifacts_dir)

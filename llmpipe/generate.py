@@ -9,7 +9,7 @@ The run's tokenizer (consolidate's tokenizer.json) and one model variant:
     om      convert_om's model.om + decoder.om through ais_bench (where CANN and an NPU exist)
 
 Every file read is first checked against its stage's manifest (size and sha256), and every graph
-against what the decoding engine feeds and reads (llmpipe.bench.decode.graph_contract: a graph that
+against what the decoding engine feeds and reads (llmpipe.infer.decode.graph_contract: a graph that
 matches a rewritten manifest is still refused when it is not the one export_onnx makes). The options
 are checked before anything is loaded (`check_options`, a ConfigError naming the option).
 """
@@ -61,7 +61,7 @@ def _stage(run_dir: Path, name: str, output: str, why: str) -> tuple[Path, objec
 
 
 def _check_graph(path: Path, session, kind: str, args, length: int) -> None:
-    from llmpipe.bench.decode import graph_problem
+    from llmpipe.infer.decode import graph_problem
 
     problem = graph_problem(session, kind, args, length)
     if problem:
@@ -72,8 +72,8 @@ def _check_graph(path: Path, session, kind: str, args, length: int) -> None:
 
 def _sessions(prefill: Path, decoder: Path, threads: int | None, args, length: int):
     from llmpipe import device
-    from llmpipe.bench.ort import create_session
     from llmpipe.export.onnx import check_external_data
+    from llmpipe.infer.ort import create_session
 
     cpu = device.ort_providers(["cpu"])[0]
     sessions = []
@@ -96,8 +96,8 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
     """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`."""
     import torch
 
-    from llmpipe.bench.decode import StaticEngine, TorchEngine
     from llmpipe.data.tokenizer import load_tokenizer
+    from llmpipe.infer.decode import StaticEngine, TorchEngine
     from llmpipe.models.llama.io import TOKENIZER, load_model, read_args
 
     if variant not in VARIANTS:
@@ -133,9 +133,9 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
 
 
 def _om_engine(run_dir: Path, args):
-    from llmpipe.bench import ais
-    from llmpipe.bench.decode import StaticEngine
     from llmpipe.export.atc import prefill_gears
+    from llmpipe.infer import ais
+    from llmpipe.infer.decode import StaticEngine
 
     reason = ais.unavailable_reason()
     if reason:
@@ -205,7 +205,7 @@ def run_generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, variant: 
                  seed: int | None = None, threads: int | None = None, out: TextIO | None = None) -> dict:
     """Stream a continuation of `prompt` to `out` (default: sys.stdout at the call); returns the numbers of
     the closing line."""
-    from llmpipe.bench.decode import CapacityError, generate, pick_tokens
+    from llmpipe.infer.decode import CapacityError, generate, pick_tokens
 
     check_options(prompt, max_new_tokens, temperature, top_k, top_p, seed, threads)
     loaded = open_run(Path(run_dir), variant, threads)

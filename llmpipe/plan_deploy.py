@@ -6,7 +6,7 @@ bound when the run has one. Arithmetic only: no model built, no device touched.
 Assumptions, printed with the numbers:
   weights  parameters only (RoPE tables and other graph constants left out). fp32 4 B and fp16/bf16 2 B
            per parameter. int8 as llmpipe's onnxruntime dynamic quantization stores it
-           (llmpipe.bench.ort.quantize_int8: MatMul/Gemm weights, per_channel=False): each weight matrix
+           (llmpipe.infer.ort.quantize_int8: MatMul/Gemm weights, per_channel=False): each weight matrix
            (7 per layer + the output head) 1 B per element plus one fp32 scale and one int8 zero point;
            the token embedding (a Gather) and the RMSNorm weights stay fp32.
   cache    2 (K and V) * n_layers * n_kv_heads * head_dim * cache_len elements per sequence, fp16 on an
@@ -24,13 +24,13 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from llmpipe.config import ConfigError, RunConfig
+from llmpipe.infer.graphs import DEFAULT_CACHE_LEN
 from llmpipe.models.llama.flavors import model_args
 from llmpipe.models.llama.model import ModelArgs
 
 GB = 1e9  # datasheets give decimal GB and GB/s
 GIB = 1 << 30
 PRECISIONS = ("fp32", "fp16", "int8")
-DEFAULT_CACHE_LEN = 1024  # export.kv_cache_len null: min(model max_seq_len, 1024)
 RESULTS_FILE = "results.json"  # the benchmark stage's (llmpipe.bench.run.RESULTS_FILE; not imported: onnxruntime)
 
 

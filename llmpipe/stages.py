@@ -34,24 +34,12 @@ from pathlib import Path
 from typing import Any
 
 from llmpipe import attempts
-from llmpipe.config import STAGES, ConfigError, RunConfig, operational_changes, result_section, section
-from llmpipe.errors import UserError
+from llmpipe.config import STAGES, RunConfig, operational_changes, result_section, section
+from llmpipe.errors import ConfigError, StageError, UserError
 from llmpipe.lock import run_lock
 from llmpipe.manifest import DigestCache, Manifest, ManifestError, file_entry, fingerprint, versions
 
 log = logging.getLogger("llmpipe.stages")
-
-
-class StageError(UserError, RuntimeError):
-    """A stage failed for a reason the user can act on; the message is one line.
-
-    `transient=True` marks failures worth retrying (a rank killed from outside, a lost connection);
-    everything else (bad config, bad data, a bug) fails the same way again and is never retried.
-    """
-
-    def __init__(self, message: str, transient: bool = False):
-        super().__init__(message)
-        self.transient = transient
 
 
 def is_transient(exc: BaseException) -> bool:

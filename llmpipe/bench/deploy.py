@@ -18,10 +18,10 @@ import torch
 
 from llmpipe import device
 from llmpipe.bench import llm, quality
-from llmpipe.bench.decode import StaticEngine, TorchEngine, generate
-from llmpipe.bench.ort import Variant, create_session
 from llmpipe.config import BenchmarkSection
 from llmpipe.device import OrtProvider
+from llmpipe.infer.decode import StaticEngine, TorchEngine, generate
+from llmpipe.infer.ort import Variant, create_session
 from llmpipe.models.llama.model import ModelArgs, Transformer
 from llmpipe.stages import StageError
 
@@ -66,7 +66,7 @@ def _ort_engine(m: Models, name: str, provider: OrtProvider) -> StaticEngine:
 
 
 def _om_engine(m: Models) -> StaticEngine:
-    from llmpipe.bench.ais import OmSession
+    from llmpipe.infer.ais import OmSession
 
     om = m.om
     return StaticEngine(OmSession(om.prefill, device_id=om.device_id, dynamic=bool(om.gears)),

@@ -2,7 +2,7 @@
 every engine (PyTorch eager with its KV cache as the baseline, onnxruntime fp32/fp16/int8 with the
 static decoder, the OM models through ais_bench), and one generated sample per engine.
 
-The definitions (also written into results.md) are those of llmpipe.bench.decode:
+The definitions (also written into results.md) are those of llmpipe.infer.decode:
 
 - prefill latency: the prompt pass alone (batch 1), ms;
 - TTFT: from the call to the first new token picked (prompt pass + picking), ms;
@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from llmpipe.bench.decode import CapacityError, Generation, generate
-from llmpipe.bench.stats import latency_stats
 from llmpipe.export.onnx import random_ids
+from llmpipe.infer.decode import CapacityError, Generation, generate
+from llmpipe.infer.stats import latency_stats
 
 log = logging.getLogger("llmpipe.bench")
 

@@ -30,11 +30,11 @@ import torch
 
 from llmpipe import device
 from llmpipe.bench import llm
-from llmpipe.bench.ort import ProviderUnavailable, Variant, create_session, make_variants, run_logits
 from llmpipe.bench.plot import latency_plot
-from llmpipe.bench.stats import latency_stats, logit_agreement, speedup, throughput
 from llmpipe.device import OrtProvider
 from llmpipe.export.onnx import check_external_data, check_shapes, random_ids
+from llmpipe.infer.ort import ProviderUnavailable, Variant, create_session, make_variants, run_logits
+from llmpipe.infer.stats import latency_stats, logit_agreement, speedup, throughput
 from llmpipe.manifest import write_json_atomic
 from llmpipe.models.llama.io import load_model, read_args
 from llmpipe.stages import StageContext, StageError, StageResult
@@ -364,9 +364,9 @@ def om_models(ctx: StageContext) -> tuple[Any, str | None]:
         return None, f"convert_om was {manifest.status}{why}"
     if "decoder_om" not in manifest.outputs:
         return None, "convert_om compiled no decoder.om (convert_om.decoder or export.static_decoder is false)"
-    from llmpipe.bench import ais
     from llmpipe.bench.deploy import OmModels
     from llmpipe.export.atc import prefill_gears
+    from llmpipe.infer import ais
 
     reason = ais.unavailable_reason()
     if reason:
@@ -380,7 +380,7 @@ def om_models(ctx: StageContext) -> tuple[Any, str | None]:
 def _models(ctx: StageContext, args, torch_model, variants, threads: int):
     """What the generation benchmark and the quality measurement run (llmpipe.bench.deploy.Models)."""
     from llmpipe.bench.deploy import Models
-    from llmpipe.export.onnx import STATIC_FILE
+    from llmpipe.infer.graphs import STATIC_FILE
 
     cfg = ctx.cfg.benchmark
     export = ctx.inputs["export_onnx"][1]

@@ -34,7 +34,18 @@ import torch
 from torch import nn
 
 from llmpipe import device
-from llmpipe.bench.stats import logit_agreement
+from llmpipe.infer.graphs import (
+    DECODER_FILE,
+    EXTERNAL_DATA_BYTES,
+    MODEL_FILE,
+    STATIC_FILE,
+    cache_len,
+    decoder_names,
+    model_files,
+    save_model,
+    static_inputs,
+)
+from llmpipe.infer.stats import logit_agreement
 from llmpipe.manifest import write_json_atomic
 from llmpipe.models.llama.io import load_model
 from llmpipe.models.llama.model import Transformer
@@ -42,14 +53,7 @@ from llmpipe.stages import StageContext, StageError, StageResult
 
 log = logging.getLogger("llmpipe.export")
 
-MODEL_FILE = "model.onnx"
-DECODER_FILE = "decoder_with_past.onnx"
-STATIC_FILE = "decoder_static.onnx"
-DEFAULT_CACHE_LEN = 1024  # export.kv_cache_len null: min(model max_seq_len, this)
 PARITY_FILE = "parity.json"
-# Protobuf cannot serialize a message over 2 GiB; above this many bytes of weights the tensors go
-# to one external data file beside the graph (`<graph>.data`).
-EXTERNAL_DATA_BYTES = int(1.8e9)
 # NOTE: trace with batch != seq and neither equal to 1: the tracer may bake a size-1 dimension
 # into broadcasts, or confuse two equal dimensions, which would break the dynamic axes.
 TRACE_SHAPE = (2, 16)
@@ -72,24 +76,6 @@ def check_shapes(shapes: Sequence[Sequence[int]], max_seq_len: int, key: str) ->
 
 def weight_bytes(model: nn.Module) -> int:
     return sum(t.numel() * t.element_size() for t in model.state_dict().values())
-
-
-def model_files(path: Path) -> list[Path]:
-    """The ONNX graph file and its external data file, when it has one."""
-    data = path.with_name(path.name + ".data")
-    return [path, data] if data.is_file() else [path]
-
-
-def save_model(proto: onnx.ModelProto, path: Path, external: bool) -> list[Path]:
-    """Write `proto` to `path`; with `external`, all tensors (initializers and Constant nodes, such as
-    the RoPE tables) go to one `<name>.data` file beside it."""
-    path.with_name(path.name + ".data").unlink(missing_ok=True)
-    if external:
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=path.name + ".data", size_threshold=1024, convert_attribute=True)
-    else:
-        onnx.save_model(proto, str(path))
-    return model_files(path)
 
 
 def _export_graph(module: nn.Module, args: tuple[torch.Tensor, ...], path: Path, opset: int,
@@ -166,11 +152,6 @@ class _Decoder(nn.Module):
         return (logits, *[t for kv in present for t in kv])
 
 
-def decoder_names(n_layers: int, kind: str) -> list[str]:
-    """past.{i}.key, past.{i}.value, ... (or present.*) in layer order."""
-    return [f"{kind}.{i}.{part}" for i in range(n_layers) for part in ("key", "value")]
-
-
 def export_decoder(model: Transformer, path: Path, opset: int,
                    external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
     """Export the KV-cache decoder graph (batch, new tokens and past length all dynamic)."""
@@ -200,20 +181,6 @@ class _StaticDecoder(nn.Module):
         cache = [(cache_flat[2 * i], cache_flat[2 * i + 1]) for i in range(len(cache_flat) // 2)]
         logits, new = self.model.forward_static(input_ids, position_ids, attention_mask, cache)
         return (logits, *[t for kv in new for t in kv])
-
-
-def cache_len(requested: int | None, max_seq_len: int) -> int:
-    """The static decoder's cache length: export.kv_cache_len, else min(max_seq_len, 1024); it
-    cannot exceed the model's max_seq_len (RoPE tables end there)."""
-    if requested is None:
-        return min(max_seq_len, DEFAULT_CACHE_LEN)
-    if requested > max_seq_len:
-        raise StageError(f"export.kv_cache_len={requested} exceeds the model's max_seq_len {max_seq_len}")
-    return requested
-
-
-def static_inputs(n_layers: int) -> list[str]:
-    return ["input_ids", "position_ids", "attention_mask", *decoder_names(n_layers, "cache")]
 
 
 def export_static_decoder(model: Transformer, path: Path, opset: int, length: int,
@@ -262,7 +229,7 @@ def static_parity(model: Transformer, prefill_path: Path, static_path: Path, len
     """Greedy continuation of random prompts (batch 1 and 2) by onnxruntime's prefill graph plus
     static decoder vs PyTorch's full-sequence pass (the whole sequence re-run every token): the
     tokens must be identical, and each step's logits are compared."""
-    from llmpipe.bench.decode import StaticEngine, greedy_reference
+    from llmpipe.infer.decode import StaticEngine, greedy_reference
 
     cpu = device.ort_providers(["cpu"])[0].ort_name
     engine = StaticEngine(ort.InferenceSession(str(prefill_path), providers=[cpu]),

@@ -11,7 +11,7 @@ def extra(cfg) -> dict:
     config's own numbers stand). A compressing DDP comm hook and its settings. And with
     model.init_from, the pretrained weights' identity (headers and sizes of its files,
     llmpipe.models.llama.hf.weights_identity)."""
-    from llmpipe.config_checks import launch_world
+    from llmpipe.train.launch import launch_world
 
     launch = launch_world(cfg)
     out: dict = {"global_batch": global_batch(cfg, launch[0] if launch else cfg.train.nproc_per_node)}

@@ -18,6 +18,8 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from llmpipe.errors import ConfigError, StageError
+
 TORCHRUN_LOGS = "torchrun-logs"  # under the train stage's folder
 RENDEZVOUS = "rendezvous.filestore"  # in TORCHRUN_LOGS: one node's rendezvous, a file instead of a socket
 LOOPBACK = "127.0.0.1"  # where one node's ranks meet (MASTER_ADDR)
@@ -44,6 +46,51 @@ def stderr_log(node_rank: int = 0) -> str:
 def torchrun_env(nnodes: int = 1) -> dict[str, str]:
     """Environment for torchrun beside its argv (see the note above)."""
     return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"} if nnodes == 1 else {}
+
+
+def hosts(cfg) -> list[str]:
+    """The hostfile's hosts, or [] on one node (no hostfile); how the launcher and the pre-flight read it."""
+    if cfg.train.hostfile is None:
+        return []
+    hostfile = Path(cfg.train.hostfile)
+    hosts = [ln.split()[0] for ln in hostfile.read_text().splitlines() if ln.strip() and not ln.startswith("#")] \
+        if hostfile.is_file() else []
+    if not hosts:
+        raise StageError(f"train.hostfile: {hostfile} is missing or lists no hosts ('host slots=N' per line)")
+    return hosts
+
+
+MAX_HOSTFILE_BYTES = 1 << 20  # a line per node: 4096 nodes take ~100 KB
+
+
+def hostfile_nodes(cfg) -> int:
+    """Hosts in train.hostfile, read as the launcher reads it; ConfigError naming it when it cannot be."""
+    path = Path(cfg.train.hostfile)
+    try:
+        if path.is_file() and path.stat().st_size > MAX_HOSTFILE_BYTES:  # it is read whole
+            raise ConfigError(f"train.hostfile: {path} is over {MAX_HOSTFILE_BYTES >> 20} MiB, not a hostfile")
+        return len(hosts(cfg))
+    except StageError as err:
+        raise ConfigError(str(err)) from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"train.hostfile: {path} is not UTF-8 text") from None
+    except OSError as err:
+        raise ConfigError(f"train.hostfile: {path}: {(err.strerror or str(err)).lower()}") from None
+
+
+def launch_world(cfg) -> tuple[int, int] | None:
+    """(world size, nodes) of the train stage's launch: nproc_per_node x train.nodes under torchrun,
+    x the hostfile's hosts under DeepSpeed's launcher; None when the hostfile cannot be read here
+    (`check_launch` refuses that before a run trains; a fingerprint or `--only benchmark` on another
+    machine needs none)."""
+    if cfg.train.hostfile is None:
+        return cfg.train.nproc_per_node * cfg.train.nodes, cfg.train.nodes
+    try:
+        nodes = hostfile_nodes(cfg)
+    except ConfigError:
+        return None
+    return cfg.train.nproc_per_node * nodes, nodes
+
 
 
 def torchrun_argv(nproc_per_node: int, config_path: Path, data_dir: Path, out_dir: Path,

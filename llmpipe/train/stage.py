@@ -14,8 +14,8 @@ from llmpipe import device as dev
 from llmpipe import mfu
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
+from llmpipe.train import launch, warm
 from llmpipe.train import metrics as metrics_mod
-from llmpipe.train import warm
 from llmpipe.train.launch import TORCHRUN_LOGS, deepspeed_argv, run_streaming, stderr_log, torchrun_argv, torchrun_env
 
 log = logging.getLogger("llmpipe.train")
@@ -34,26 +34,14 @@ def rank_env(cfg) -> dict[str, str]:
     return env
 
 
-def _hosts(cfg) -> list[str]:
-    """The hostfile's hosts, or [] on one node (no hostfile)."""
-    if cfg.train.hostfile is None:
-        return []
-    hostfile = Path(cfg.train.hostfile)
-    hosts = [ln.split()[0] for ln in hostfile.read_text().splitlines() if ln.strip() and not ln.startswith("#")] \
-        if hostfile.is_file() else []
-    if not hosts:
-        raise StageError(f"train.hostfile: {hostfile} is missing or lists no hosts ('host slots=N' per line)")
-    return hosts
-
-
 def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]:
     """torchrun on one node or on train.nodes (c10d rendezvous); DeepSpeed's launcher over a hostfile."""
     t = cfg.train
-    hosts = _hosts(cfg)
-    if hosts and t.nodes > 1:
+    listed = launch.hosts(cfg)
+    if listed and t.nodes > 1:
         raise StageError(f"train.nodes={t.nodes} with train.hostfile: the hostfile already lists the nodes "
                          "(DeepSpeed's launcher); set one or the other")
-    if not hosts:
+    if not listed:
         if t.nodes > 1 and not t.rdzv_endpoint:
             raise StageError(f"train.nodes={t.nodes} needs train.rdzv_endpoint (host:port of node 0)")
         if t.node_rank >= t.nodes:
@@ -62,7 +50,7 @@ def _launch_argv(cfg, config_path: Path, data_dir: Path, out: Path) -> list[str]
                              rdzv_endpoint=t.rdzv_endpoint, rdzv_id=cfg.run.name if t.nodes > 1 else None,
                              max_restarts=t.restarts)
     return deepspeed_argv(Path(t.hostfile), t.nproc_per_node, config_path, data_dir, out,
-                          master_addr=t.master_addr or hosts[0], master_port=t.master_port)
+                          master_addr=t.master_addr or listed[0], master_port=t.master_port)
 
 
 def check_layout(cfg, data_dir: Path) -> None:
@@ -73,7 +61,7 @@ def check_layout(cfg, data_dir: Path) -> None:
     from llmpipe.parallel.mesh import check_supported
 
     p = cfg.train.parallel
-    nodes = len(_hosts(cfg)) or cfg.train.nodes
+    nodes = len(launch.hosts(cfg)) or cfg.train.nodes
     world = cfg.train.nproc_per_node * nodes
     vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
     try:

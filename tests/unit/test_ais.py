@@ -1,4 +1,4 @@
-"""llmpipe.bench.ais: OM models through ais_bench, checked against tests/fakes/ais_bench_pkg, a
+"""llmpipe.infer.ais: OM models through ais_bench, checked against tests/fakes/ais_bench_pkg, a
 stand-in for Ascend's ais_bench (which needs CANN and an NPU, so cannot exist here) that runs the
 .om files of tests/fakes/atc with onnxruntime."""
 
@@ -15,7 +15,7 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from llmpipe.bench import ais
+from llmpipe.infer import ais
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"
 FAKE_PKG = FAKES / "ais_bench_pkg"

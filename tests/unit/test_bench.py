@@ -14,10 +14,10 @@ from safetensors.torch import save_file
 
 from llmpipe import device
 from llmpipe.bench import run as bench
-from llmpipe.bench.ort import Variant
-from llmpipe.bench.stats import latency_stats, logit_agreement, speedup, throughput
 from llmpipe.config import from_dict
 from llmpipe.export.onnx import export_prefill
+from llmpipe.infer.ort import Variant
+from llmpipe.infer.stats import latency_stats, logit_agreement, speedup, throughput
 from llmpipe.manifest import Manifest, file_entry
 from llmpipe.models.llama import FLAVORS, Transformer
 from llmpipe.models.llama import io as model_io
@@ -252,7 +252,7 @@ def test_user_errors(stage):
 
 def test_variants_of_a_model_with_external_data(tmp_path, monkeypatch):
     # The path a >1.8 GB model takes, forced on the debug model by a zero threshold.
-    from llmpipe.bench import ort as bench_ort
+    from llmpipe.infer import ort as bench_ort
 
     model = Transformer(FLAVORS["debug"])
     model.init_weights(seed=0)
@@ -334,7 +334,7 @@ def test_benchmark_fails_when_the_fp32_reference_fails(tmp_path):
 
 
 def test_benchmark_fails_when_no_variant_produced_numbers(tmp_path, monkeypatch):
-    from llmpipe.bench import ort as bench_ort
+    from llmpipe.infer import ort as bench_ort
 
     def broken(src, dst):
         raise RuntimeError("converter broke\nsecond line")
@@ -442,7 +442,7 @@ def test_om_models_are_measured_through_ais_bench_where_it_exists(tmp_path, monk
     """With a fake ais_bench (tests/fakes/ais_bench_pkg, running the ONNX the fake OM names in
     onnxruntime): the OM rows are measured, the static OM decoder only at its compiled batch, the
     prefill OM padded to its gears, and the OM hop of the chain is measured."""
-    from llmpipe.export.onnx import static_inputs
+    from llmpipe.infer.graphs import static_inputs
 
     monkeypatch.syspath_prepend(str(FAKES / "ais_bench_pkg"))
     inputs = _inputs(tmp_path)

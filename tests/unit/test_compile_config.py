@@ -8,22 +8,22 @@ from types import SimpleNamespace
 
 import pytest
 
-from llmpipe import config_checks, stages
 from llmpipe import device as dev
+from llmpipe import preflight, stages
 from llmpipe.config import ConfigError
 from tests.unit.test_stages import _cfg
 
 
 def test_inductor_without_a_cpp_compiler_is_one_line_before_launch(tmp_path, monkeypatch):
     cfg = _cfg(tmp_path, "train.compile=true", "run.device=cpu")
-    config_checks.check_launch(cfg)  # g++ is on this machine's PATH
+    preflight.check_launch(cfg)  # g++ is on this machine's PATH
     monkeypatch.delenv("CXX", raising=False)
     monkeypatch.setattr(shutil, "which", lambda name: None)
     with pytest.raises(ConfigError) as err:
-        config_checks.check_launch(cfg)
+        preflight.check_launch(cfg)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("train.compile: inductor on cpu needs a C++ compiler"), msg
-    config_checks.check_launch(_cfg(tmp_path, "run.device=cpu"))  # without compile nothing is asked
+    preflight.check_launch(_cfg(tmp_path, "run.device=cpu"))  # without compile nothing is asked
 
 
 def test_npu_without_torchair_is_refused_with_the_reason(monkeypatch):

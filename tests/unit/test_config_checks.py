@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmpipe import cli, config_checks, report
+from llmpipe import cli, preflight, report
 from llmpipe import config as config_mod
 from llmpipe.config import ConfigError
+from llmpipe.train import launch
 from tests.conftest import ROOT, make_cfg
 
 TINY = ROOT / "configs" / "tiny.yaml"
@@ -126,26 +127,26 @@ def test_the_launch_check_counts_the_hostfile_and_names_it_when_it_is_absent(tmp
     hostfile = tmp_path / "hostfile"
     hostfile.write_text("node-a slots=2\nnode-b slots=2\n")
     cfg = make_cfg(tmp_path, train__nproc_per_node=2, train__hostfile=str(hostfile))
-    assert config_checks.launch_world(cfg) == (4, 2)
-    config_checks.check_launch(cfg)  # dp inferred: 4 / (1 x 1)
+    assert launch.launch_world(cfg) == (4, 2)
+    preflight.check_launch(cfg)  # dp inferred: 4 / (1 x 1)
     gone = make_cfg(tmp_path, train__hostfile=str(tmp_path / "elsewhere"), train__parallel={"dp": 64})
-    assert config_checks.launch_world(gone) is None  # a fingerprint computed here does not need it
+    assert launch.launch_world(gone) is None  # a fingerprint computed here does not need it
     with pytest.raises(ConfigError) as err:  # a run that will train does (issue 22 item 5)
-        config_checks.check_launch(gone)
+        preflight.check_launch(gone)
     assert str(err.value) == (f"train.hostfile: {tmp_path / 'elsewhere'} is missing or lists no hosts "
                               "('host slots=N' per line)")
 
 
 def test_the_launch_check_applies_only_to_a_run_that_will_train(tmp_path, monkeypatch):
     cfg = make_cfg(tmp_path, train__nproc_per_node=1, train__parallel={"dp": 8})
-    config_checks.check_before_run(cfg, ["export_onnx", "benchmark"], force=False)  # no training
+    preflight.check_before_run(cfg, ["export_onnx", "benchmark"], force=False)  # no training
     with pytest.raises(ConfigError, match=r"^x.yaml: train.parallel: dp=8 x tp=1 x pp=1 = 8, but world size is 1"):
-        config_checks.check_before_run(cfg, ["prepare_data", "train"], force=False, source="x.yaml")
+        preflight.check_before_run(cfg, ["prepare_data", "train"], force=False, source="x.yaml")
     # trained already (on a cluster, say): a later run elsewhere goes on without the launch settings
     monkeypatch.setattr("llmpipe.stages.state", lambda cfg, name, fp, full: ("done", None))
-    config_checks.check_before_run(cfg, ["prepare_data", "train", "consolidate"], force=False)
+    preflight.check_before_run(cfg, ["prepare_data", "train", "consolidate"], force=False)
     with pytest.raises(ConfigError, match="but world size is 1"):
-        config_checks.check_before_run(cfg, ["train"], force=True)
+        preflight.check_before_run(cfg, ["train"], force=True)
 
 
 def test_set_value_that_is_not_yaml_is_refused_not_taken_as_text():
@@ -271,13 +272,13 @@ def test_the_atc_check_applies_only_when_convert_om_will_run(tmp_path, monkeypat
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(atc, "_toolkit_dirs", lambda: [str(tmp_path / "cann")])
     cfg = make_cfg(tmp_path, convert_om={"required": True})
-    config_checks.check_before_run(cfg, ["prepare_data", "train", "consolidate", "export_onnx"], force=False)
+    preflight.check_before_run(cfg, ["prepare_data", "train", "consolidate", "export_onnx"], force=False)
     with pytest.raises(ConfigError, match=r"^x.yaml: convert_om.required is true but ATC was not found"):
-        config_checks.check_before_run(cfg, ["convert_om", "benchmark"], force=False, source="x.yaml")
+        preflight.check_before_run(cfg, ["convert_om", "benchmark"], force=False, source="x.yaml")
     fake = make_cfg(tmp_path, convert_om={"required": True, "atc_path": str(ROOT / "tests" / "fakes" / "atc")})
-    config_checks.check_before_run(fake, ["convert_om"], force=True)  # the stage's own search finds it
+    preflight.check_before_run(fake, ["convert_om"], force=True)  # the stage's own search finds it
     monkeypatch.setattr("llmpipe.stages.state", lambda cfg, name, fp, full: ("done", None))
-    config_checks.check_before_run(cfg, ["convert_om", "benchmark"], force=False)  # converted already
+    preflight.check_before_run(cfg, ["convert_om", "benchmark"], force=False)  # converted already
 
 
 def test_an_unknown_soc_version_fails_llmpipe_run_naming_the_closest_names(tmp_path, capsys):
@@ -289,7 +290,7 @@ def test_an_unknown_soc_version_fails_llmpipe_run_naming_the_closest_names(tmp_p
 
 def test_every_soc_name_plan_deploy_sizes_for_that_atc_compiles_for_is_known(tmp_path):
     from llmpipe import plan_deploy
-    from llmpipe.export.atc import SOC_VERSIONS
+    from llmpipe.export.atc_args import SOC_VERSIONS
 
     for name in ("Ascend910B", "Ascend910B1", "Ascend910B2", "Ascend910B3", "Ascend910B4", "Ascend310P3"):
         assert name in plan_deploy.DEVICES and name in SOC_VERSIONS
@@ -311,7 +312,7 @@ def test_llmpipe_stage_train_checks_the_hostfile_before_the_stage_runs(tmp_path,
 
 def test_a_missing_hostfile_is_not_needed_by_a_run_that_does_not_train(tmp_path):
     cfg = make_cfg(tmp_path, train__hostfile=str(tmp_path / "hosts"))
-    config_checks.check_before_run(cfg, ["benchmark"], force=False)  # --only benchmark, on another machine
+    preflight.check_before_run(cfg, ["benchmark"], force=False)  # --only benchmark, on another machine
 
 
 @pytest.mark.parametrize("llm, expected", [
@@ -361,13 +362,13 @@ def test_a_resume_checkpoint_of_the_same_model_passes_and_a_broken_one_is_named(
 
     cfg = make_cfg(tmp_path)
     same = _checkpoint(tmp_path / "same", model_args(cfg.model, vocab_size=999).to_dict())  # any vocabulary
-    config_checks.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(same)}))
+    preflight.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(same)}))
     broken = tmp_path / "broken"
     broken.mkdir()
     (broken / "meta.json").write_text("[" * 100_000)  # nested past the parser's stack
     for folder, problem in ((tmp_path / "none", "missing or unreadable"), (broken, "missing or unreadable")):
         with pytest.raises(ConfigError) as err:
-            config_checks.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(folder)}))
+            preflight.check_resume(make_cfg(tmp_path, train__checkpoint={"resume": str(folder)}))
         assert str(err.value) == f"train.checkpoint.resume: {folder / 'meta.json'} {problem}"
 
 

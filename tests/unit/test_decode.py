@@ -1,4 +1,4 @@
-"""Decoding engines, token picking and the generate loop (llmpipe.bench.decode), the streamer."""
+"""Decoding engines, token picking and the generate loop (llmpipe.infer.decode), the streamer."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import onnxruntime as ort
 import pytest
 import torch
 
-from llmpipe.bench import decode
 from llmpipe.export import onnx as export
+from llmpipe.infer import decode
 from llmpipe.models.llama import FLAVORS, Transformer
 
 CACHE = 40

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from llmpipe import stages
 from llmpipe.config import from_dict
 from llmpipe.export import onnx as export
+from llmpipe.infer import graphs
 from llmpipe.manifest import Manifest, file_entry
 from llmpipe.models.llama import FLAVORS, Transformer
 from llmpipe.models.llama import io as model_io
@@ -176,7 +177,7 @@ def test_static_decoder_chunks_match_the_full_pass(tmp_path):
     ids = export.random_ids(2, 20, a.vocab_size, seed=5)
     with torch.inference_mode():
         ref = model(torch.from_numpy(ids)).numpy()  # (2, 20, vocab)
-    cache = {n: np.zeros((2, a.n_kv_heads, 32, a.head_dim), np.float32) for n in export.static_inputs(a.n_layers)[3:]}
+    cache = {n: np.zeros((2, a.n_kv_heads, 32, a.head_dim), np.float32) for n in graphs.static_inputs(a.n_layers)[3:]}
     mask = np.zeros((2, 32), np.int64)
     pos = 0
     for chunk in (7, 1, 5, 7):
@@ -192,5 +193,5 @@ def test_static_decoder_chunks_match_the_full_pass(tmp_path):
 
 def test_kv_cache_len_beyond_the_model_is_refused():
     with pytest.raises(StageError, match=r"export.kv_cache_len=600 exceeds the model's max_seq_len 512"):
-        export.cache_len(600, 512)
-    assert export.cache_len(None, 4096) == 1024 and export.cache_len(None, 512) == 512
+        graphs.cache_len(600, 512)
+    assert graphs.cache_len(None, 4096) == 1024 and graphs.cache_len(None, 512) == 512

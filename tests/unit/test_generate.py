@@ -14,11 +14,11 @@ import onnx
 import pytest
 from safetensors.torch import save_file
 
-from llmpipe.bench import decode
 from llmpipe.cli import main
 from llmpipe.config import ConfigError
 from llmpipe.export import onnx as export
 from llmpipe.generate import run_generate
+from llmpipe.infer import decode
 from llmpipe.manifest import Manifest, file_entry
 from llmpipe.models.llama import FLAVORS, Transformer
 from llmpipe.models.llama import io as model_io

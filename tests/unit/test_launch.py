@@ -53,8 +53,8 @@ def test_torchrun_argv_multi_node_meets_at_a_c10d_rendezvous():
 
 
 def test_train_section_chooses_the_torchrun_launch_and_refuses_what_cannot_work(tmp_path):
-    from llmpipe.config_checks import launch_world
     from llmpipe.stages import StageError
+    from llmpipe.train.launch import launch_world
     from llmpipe.train.stage import _launch_argv
     from tests.conftest import make_cfg
 

@@ -108,7 +108,7 @@ def _rope(c: dict, where: Path) -> tuple[float, dict | None]:
                    keys[3]: int(params[keys[3]])}
 
 
-# config.json's sizes and the ModelArgs field each becomes (whose bound, llmpipe.config.MODEL_LIMITS, it gets)
+# config.json's sizes and the ModelArgs field each becomes (whose bound, llmpipe.models.limits.MODEL_LIMITS, it gets)
 _SIZES = (("num_hidden_layers", "n_layers"), ("hidden_size", "dim"), ("intermediate_size", "ffn_dim"),
           ("num_attention_heads", "n_heads"), ("num_key_value_heads", "n_heads"), ("vocab_size", "vocab_size"),
           ("max_position_embeddings", "max_seq_len"))
@@ -117,7 +117,7 @@ _SIZES = (("num_hidden_layers", "n_layers"), ("hidden_size", "dim"), ("intermedi
 def _sizes(c: dict, where: Path, max_seq_len: int | None) -> dict[str, int]:
     """config.json's sizes, each an integer within llmpipe's bounds, checked before anything is
     computed from them (a config.json with 10^6 layers of hidden 10^6 is refused here, in a line)."""
-    from llmpipe.config import MODEL_LIMITS
+    from llmpipe.models.limits import MODEL_LIMITS
 
     defaults = {"num_key_value_heads": c.get("num_attention_heads"), "max_position_embeddings": 2048}
     out = {}
@@ -142,7 +142,7 @@ def _sizes(c: dict, where: Path, max_seq_len: int | None) -> dict[str, int]:
 def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[ModelArgs, dict]:
     """ModelArgs for an HF LlamaForCausalLM / MistralForCausalLM folder, and facts the loader needs
     (tie_word_embeddings, sliding_window). Anything llmpipe's model does not compute the same way, or
-    any size beyond llmpipe.config.MODEL_LIMITS, is refused with one line naming the field."""
+    any size beyond llmpipe.models.limits.MODEL_LIMITS, is refused with one line naming the field."""
     where = Path(folder) / CONFIG_JSON
     c = _read_json(where)
     archs = c.get("architectures") or []

@@ -15,7 +15,7 @@ import numpy as np
 import onnxruntime as ort
 
 from llmpipe.device import OrtProvider
-from llmpipe.export.onnx import EXTERNAL_DATA_BYTES, MODEL_FILE, model_files, save_model
+from llmpipe.infer.graphs import EXTERNAL_DATA_BYTES, MODEL_FILE, model_files, save_model
 
 log = logging.getLogger("llmpipe.bench")
 

@@ -16,7 +16,7 @@ dymshape):
 
 - `unavailable_reason()`: why ais_bench cannot run here (None when it can be imported);
 - `OmSession(path, device_id, dynamic)`: `run(output_names, feeds)` like onnxruntime's, so that
-  llmpipe.bench.decode drives an OM model exactly like an ORT session;
+  llmpipe.infer.decode drives an OM model exactly like an ORT session;
 - `time_om(session, feeds, warmup, iters)`: wall time per call, and the device's own times.
 
 ais_bench is imported only when used: it needs CANN's libraries, and this module is imported where

@@ -34,7 +34,7 @@ import onnxruntime as ort
 import torch
 
 from llmpipe import device
-from llmpipe.export.onnx import decoder_names, static_inputs
+from llmpipe.infer.graphs import decoder_names, static_inputs
 from llmpipe.models.llama.model import ModelArgs, Transformer
 
 
@@ -77,7 +77,7 @@ class _Cache:
 
 class StaticEngine:
     """Prefill graph + static-cache decoder; `prefill` and `decoder` are onnxruntime sessions or
-    objects with the same `run(output_names, feeds)` (llmpipe.bench.ais.OmSession).
+    objects with the same `run(output_names, feeds)` (llmpipe.infer.ais.OmSession).
 
     `prefill_lens`: the sequence lengths the prefill model accepts (an OM compiled with gears);
     a prompt is padded on the right to the smallest that fits (padding is causal-invisible to the
@@ -214,7 +214,7 @@ def graph_problem(session, kind: str, args: ModelArgs, cache_len: int) -> str | 
     if isinstance(session, ort.InferenceSession):
         have_in = {a.name: a for a in session.get_inputs()}
         have_out = {a.name: a for a in session.get_outputs()}
-    else:  # llmpipe.bench.ais.OmSession
+    else:  # llmpipe.infer.ais.OmSession
         have_in, have_out = dict.fromkeys(session.input_names), dict.fromkeys(session.output_names)
     problems = [*_first("no input", [n for n in inputs if n not in have_in]),
                 *_first("an unexpected input", [n for n in have_in if n not in inputs]),
