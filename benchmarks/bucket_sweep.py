@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # NOTE: runs from a checkout
 
 from llmpipe import config as config_mod  # noqa: E402
-from llmpipe import tune  # noqa: E402
+from llmpipe.tools import tune  # noqa: E402
 
 
 def main() -> None:

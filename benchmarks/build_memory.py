@@ -1,5 +1,5 @@
 """Peak memory per rank while building a >= 1 GB model and taking its first step: FSDP2, ZeRO-3 and
-DDP on 2 gloo ranks, beside the planner's prediction (llmpipe.plan) for the same config.
+DDP on 2 gloo ranks, beside the planner's prediction (llmpipe.tools.plan) for the same config.
 
     python benchmarks/build_memory.py [--layers 3] [--only fsdp,zero3,ddp] [--json]
 
@@ -87,8 +87,8 @@ def measure(layout: str, root: Path, layers: int) -> dict:
     """Run one layout on 2 ranks; its worst rank's numbers beside the planner's."""
     import yaml
 
-    from llmpipe import plan
     from llmpipe.models.llama import model_args
+    from llmpipe.tools import plan
     from llmpipe.train.launch import run_streaming
 
     folder = root / layout

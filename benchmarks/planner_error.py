@@ -10,11 +10,11 @@ ModelParallelStrategy for tp/pp). Measured, on each rank:
     states   model-state bytes counted as benchmarks/memory_per_rank.py counts them (distinct storages of
              params, grads, master, optimizer state; its `count_states`), the largest sample over the
              micro-steps and the optimizer's step pre-hook. Planned: params + grads + optimizer of
-             llmpipe.plan for the rank's pipeline stage.
+             llmpipe.tools.plan for the rank's pipeline stage.
     act      bytes of the distinct tensors autograd saves during one forward + loss (a
              torch.autograd.graph.saved_tensors_hooks pack hook; parameters, buffers and their shards
              excluded), on the first micro-step. Planned: the plan's activations without checkpointing
-             (llmpipe.plan's count of a LLaMA block's saved tensors plus fp32 logits). Not measured with a pipeline
+             (llmpipe.tools.plan's count of a LLaMA block's saved tensors plus fp32 logits). Not measured with a pipeline
              schedule: its saved tensors live and die across micro-batches, so a sum is not the peak.
 
 Every micro-step syncs gradients (like memory_per_rank), so FSDP's unsharded accumulation gradients do not
@@ -175,7 +175,7 @@ def run_case(name: str, root: Path, a: argparse.Namespace) -> tuple[list[dict], 
     """Launch one case under torchrun; returns (measured, planned) per rank."""
     import yaml
 
-    from llmpipe import plan
+    from llmpipe.tools import plan
     from llmpipe.train.launch import run_streaming
 
     folder = root / name

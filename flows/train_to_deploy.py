@@ -17,9 +17,10 @@ from prefect.artifacts import create_markdown_artifact
 
 import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
-from llmpipe import report, stages
+from llmpipe import stages
 from llmpipe.lock import run_lock
 from llmpipe.preflight import check_before_run
+from llmpipe.tools import report
 from tasks.stages import TASKS
 
 

@@ -156,7 +156,7 @@ def _recorded_config(run: str, artifacts_dir: str) -> config_mod.RunConfig:
 
 
 def _status(args: argparse.Namespace) -> int:
-    from llmpipe.report import stage_rows
+    from llmpipe.tools.report import stage_rows
 
     if args.config:
         cfg = config_mod.load(args.config, [*args.overrides, f"run.name={args.run}",
@@ -243,8 +243,8 @@ def _run_flow(args: argparse.Namespace) -> int:
 
 
 def _run_stage(args: argparse.Namespace) -> int:
-    from llmpipe import report
     from llmpipe.stages import run_stage
+    from llmpipe.tools import report
 
     cfg = config_mod.load(args.config, _overrides(args))
     if args.stage in config_mod.STAGES:  # an unknown name is run_stage's to refuse
@@ -260,11 +260,11 @@ def _run_stage(args: argparse.Namespace) -> int:
 
 def _dryrun(args: argparse.Namespace) -> int:
     from llmpipe.parallel.mesh import LayoutError
-    from llmpipe.train import dry_run
+    from llmpipe.tools import dryrun
 
     cfg = config_mod.load(args.config, list(args.overrides))
     try:
-        print(dry_run.run(cfg, args.world_size or dry_run.default_world_size(cfg), args.all_ranks))
+        print(dryrun.run(cfg, args.world_size or dryrun.default_world_size(cfg), args.all_ranks))
     except LayoutError as err:
         raise ConfigError(f"{args.config}: train.parallel: {err}") from None
     return 0
@@ -273,8 +273,8 @@ def _dryrun(args: argparse.Namespace) -> int:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from llmpipe import plan
     from llmpipe.parallel.mesh import LayoutError
+    from llmpipe.tools import plan
 
     cfg = config_mod.load(args.config, list(args.overrides))
     if args.deploy:
@@ -294,7 +294,7 @@ def _plan(args: argparse.Namespace) -> int:
 def _plan_deploy(args: argparse.Namespace, cfg: config_mod.RunConfig) -> int:
     import json
 
-    from llmpipe import plan_deploy
+    from llmpipe.tools import plan_deploy
 
     if args.bandwidth_gbps is not None:  # NOTE: the training plan's network bandwidth, in gigabits/s
         raise ConfigError("--bandwidth-gbps is the gradient sync's network bandwidth; with --deploy give the "
@@ -305,7 +305,7 @@ def _plan_deploy(args: argparse.Namespace, cfg: config_mod.RunConfig) -> int:
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from llmpipe import tune
+    from llmpipe.tools import tune, tune_write
 
     values = tune.parse_values(args.values)
     if args.nproc is not None and args.nproc < 1:
@@ -315,7 +315,7 @@ def _tune(args: argparse.Namespace) -> int:
     points = tune.bucket_sweep(cfg, values, args.steps, args.bandwidth_gbps, args.repeats)
     print(tune.format_table(cfg, points, args.steps, args.bandwidth_gbps))
     if args.write:
-        print(tune.write_bucket_cap(Path(args.config), tune.best(points).bucket_cap_mb, list(args.overrides)))
+        print(tune_write.write_bucket_cap(Path(args.config), tune.best(points).bucket_cap_mb, list(args.overrides)))
     return 0
 
 
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "tune":
             return _tune(args)
-        from llmpipe import report
+        from llmpipe.tools import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")
         return 0
@@ -392,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from llmpipe.generate import run_generate
+    from llmpipe.tools.generate import run_generate
 
     run_dir = Path(args.run)
     if not run_dir.is_dir() or not (args.run.startswith((".", "/")) or os.sep in args.run):

@@ -54,7 +54,11 @@ class StageSpec:
     name: str
     sections: tuple[str, ...]  # config sections that define this stage's result
     inputs: tuple[str, ...]  # stages whose outputs it reads
-    entry: str  # "module:function" taking a StageContext, returning a StageResult
+    # "llmpipe.<room>.<module>:run", taking a StageContext, returning a StageResult. The rule (a test
+    # holds every spec to it): the function is `run`; its module sits in the room package that owns the
+    # stage's work (data, train, checkpoint, export, bench; eval next), one stage per module, and its
+    # docstring opens with "The <name> stage:", so `grep -rl "The NAME stage:" llmpipe` finds it.
+    entry: str
     number: int  # its folder's NN_: fixed once released, a new stage takes the next free one
     revision: int = 1  # bump when this stage's code changes what it produces (see _revision)
     resumable: bool = False  # keep the partial folder across failed attempts (training)

@@ -1,4 +1,4 @@
-"""benchmark stage: ORT FP32 / FP16 / INT8 (and OM) vs PyTorch eager, per shape and provider.
+"""The benchmark stage: ORT FP32 / FP16 / INT8 (and OM) vs PyTorch eager, per shape and provider.
 
 Three parts, all in results.json and results.md:
 

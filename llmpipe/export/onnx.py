@@ -1,4 +1,4 @@
-"""export_onnx stage: consolidated weights -> ONNX graphs, checked, with ORT parity numbers.
+"""The export_onnx stage: consolidated weights -> ONNX graphs, checked, with ORT parity numbers.
 
 Three graphs, each with its own export function over the shared `_export_graph`:
 

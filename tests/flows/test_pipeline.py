@@ -79,7 +79,7 @@ def test_all_six_stages_run(first_run):
     assert "loss curve" in html and "Benchmark" in html
     assert "ttft.png" in html and "tpot.png" in html and "Parity chain" in html and "Generated samples" in html
     from llmpipe import config as config_mod
-    from llmpipe import report
+    from llmpipe.tools import report
 
     md = report.markdown(config_mod.load(first_run[0]))
     assert "| benchmark | done | completed |" in md and "| convert_om | done | skipped |" in md
@@ -117,7 +117,7 @@ def test_llmpipe_library_never_imports_prefect():
     offenders = [str(p) for p in (root / "llmpipe").rglob("*.py")
                  if "import prefect" in p.read_text() or "from prefect" in p.read_text()]
     assert offenders == []
-    code = ("import sys, llmpipe.cli, llmpipe.stages, llmpipe.report, llmpipe.train.stage, "
+    code = ("import sys, llmpipe.cli, llmpipe.stages, llmpipe.tools.report, llmpipe.train.stage, "
             "llmpipe.checkpoint.consolidate, llmpipe.export.onnx, llmpipe.bench.run, llmpipe.data.prepare; "
             "assert 'prefect' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=root)
@@ -156,7 +156,7 @@ def test_generate_streams_text_and_greedy_onnx_matches_pytorch_for_64_tokens(fir
     """`llmpipe generate`: the ONNX static decoder (onnxruntime) and PyTorch eager pick the same 64
     greedy tokens from the trained model; the closing line gives the counts and the speeds."""
     from llmpipe.cli import main
-    from llmpipe.generate import run_generate
+    from llmpipe.tools.generate import run_generate
 
     _, run_dir, _ = first_run
     assert main(["generate", "flowtest", "--artifacts-dir", str(run_dir.parent), "--prompt", "def main(",

@@ -11,9 +11,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmpipe import cli, tune
+from llmpipe import cli
 from llmpipe import config as config_mod
 from llmpipe.stages import stage_dir
+from llmpipe.tools import tune, tune_write
 
 ROOT = Path(__file__).resolve().parents[2]
 ROW = re.compile(r"^(?P<best>[* ]) +(?P<mb>[\d.e-]+) +(?P<buckets>\d+) +(?P<tok>[\d,]+) +(?P<comm>[\d.]+) +"
@@ -163,7 +164,7 @@ def test_repeats_take_turns_and_a_lead_smaller_than_the_runs_spread_is_called_a_
 
 def test_the_demo_configs_flow_style_value_is_edited_in_place():
     text = (ROOT / "configs" / "tiny.yaml").read_text()
-    new = tune.edit_text(text, 5.0)
+    new = tune_write.edit_text(text, 5.0)
     assert new == text.replace("{data: ddp, bucket_cap_mb: 25,", "{data: ddp, bucket_cap_mb: 5,")
 
 
@@ -179,7 +180,7 @@ def test_the_demo_configs_flow_style_value_is_edited_in_place():
      "train:\n  parallel:\n    bucket_cap_mb: 0.5\n    data: ddp\n    # bucket_cap_mb: 3 was slow\n"),
 ])
 def test_a_missing_bucket_size_is_inserted_under_train_parallel(text, expected):
-    assert tune.edit_text(text, 0.5) == expected
+    assert tune_write.edit_text(text, 0.5) == expected
 
 
 @pytest.mark.parametrize("text", [
@@ -188,14 +189,14 @@ def test_a_missing_bucket_size_is_inserted_under_train_parallel(text, expected):
     "train:\n  parallel: &p {bucket_cap_mb: 5}\nother: *p\n",  # shared by an alias: would change both
 ])
 def test_a_file_without_one_clear_place_for_the_value_is_not_edited(tmp_path, capsys, text):
-    assert tune.edit_text(text, 10.0) is None
+    assert tune_write.edit_text(text, 10.0) is None
     path = tmp_path / "odd.yaml"
     path.write_text(text)
     with pytest.raises(tune.TuneError, match=r"set train.parallel.bucket_cap_mb: 10 there yourself"):
-        tune.write_bucket_cap(path, 10.0)
+        tune_write.write_bucket_cap(path, 10.0)
     assert path.read_text() == text and not path.with_name("odd.yaml.bak").exists()
 
 
 def test_a_small_value_is_written_as_a_yaml_float():
-    new = tune.edit_text("train:\n  parallel: {bucket_cap_mb: 5}\n", 1e-5)
+    new = tune_write.edit_text("train:\n  parallel: {bucket_cap_mb: 5}\n", 1e-5)
     assert yaml.safe_load(new)["train"]["parallel"]["bucket_cap_mb"] == 1e-5

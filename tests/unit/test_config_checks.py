@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmpipe import cli, preflight, report
+from llmpipe import cli, preflight
 from llmpipe import config as config_mod
 from llmpipe.config import ConfigError
+from llmpipe.tools import report
 from llmpipe.train import launch
 from tests.conftest import ROOT, make_cfg
 
@@ -289,8 +290,8 @@ def test_an_unknown_soc_version_fails_llmpipe_run_naming_the_closest_names(tmp_p
 
 
 def test_every_soc_name_plan_deploy_sizes_for_that_atc_compiles_for_is_known(tmp_path):
-    from llmpipe import plan_deploy
     from llmpipe.export.atc_args import SOC_VERSIONS
+    from llmpipe.tools import plan_deploy
 
     for name in ("Ascend910B", "Ascend910B1", "Ascend910B2", "Ascend910B3", "Ascend910B4", "Ascend310P3"):
         assert name in plan_deploy.DEVICES and name in SOC_VERSIONS

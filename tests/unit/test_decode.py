@@ -92,7 +92,7 @@ def test_top_k_and_top_p_restrict_the_draw_to_the_allowed_tokens():
 
 def test_the_streamer_prints_a_character_split_over_tokens_once_whole():
     from llmpipe.data.tokenizer import train_tokenizer
-    from llmpipe.generate import Streamer
+    from llmpipe.tools.generate import Streamer
 
     tok = train_tokenizer(["ascii only text here " * 20], vocab_size=280)
     ids = tok.encode("é!").ids  # byte-level: 'é' is two byte tokens

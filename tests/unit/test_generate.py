@@ -17,12 +17,12 @@ from safetensors.torch import save_file
 from llmpipe.cli import main
 from llmpipe.config import ConfigError
 from llmpipe.export import onnx as export
-from llmpipe.generate import run_generate
 from llmpipe.infer import decode
 from llmpipe.manifest import Manifest, file_entry
 from llmpipe.models.llama import FLAVORS, Transformer
 from llmpipe.models.llama import io as model_io
 from llmpipe.stages import stage_dir
+from llmpipe.tools.generate import run_generate
 
 CACHE = 32
 ARGS = replace(FLAVORS["debug"], vocab_size=300, max_seq_len=64)

@@ -211,7 +211,7 @@ def test_a_deeply_nested_manifest_makes_status_list_the_stage_invalid(prepared, 
 
 
 def test_a_deeply_nested_manifest_leaves_the_report_working(prepared):
-    from llmpipe import report
+    from llmpipe.tools import report
 
     cfg, folder = prepared
     _nest_manifest(folder)

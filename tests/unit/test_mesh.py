@@ -14,7 +14,7 @@ from llmpipe.models.llama.flavors import FLAVORS
 from llmpipe.models.llama.model import Transformer
 from llmpipe.models.llama.parallelize import apply_tp
 from llmpipe.parallel import mesh, pipeline
-from llmpipe.train.dry_run import fake_process_group
+from llmpipe.tools.dryrun import fake_process_group
 from tests.conftest import make_cfg
 
 LLAMA7B = FLAVORS["llama-7b"]

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import json
 
-from llmpipe import report, stages
+from llmpipe import stages
 from llmpipe.manifest import Manifest
+from llmpipe.tools import report
 from llmpipe.train import metrics
 from llmpipe.train.metrics import METRICS, MetricsWriter
 from tests.unit.test_stages import _cfg

@@ -10,8 +10,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from llmpipe import device, mfu, plan
+from llmpipe import device, mfu
 from llmpipe.models.llama.model import ModelArgs
+from llmpipe.tools import plan
 from llmpipe.train import metrics, profile
 from llmpipe.train import stage as train_stage
 from llmpipe.train.loop import train

@@ -9,12 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from llmpipe import cli, mfu, plan
+from llmpipe import cli, mfu
 from llmpipe import config as config_mod
 from llmpipe.models.llama.flavors import FLAVORS
 from llmpipe.models.llama.model import Transformer
 from llmpipe.parallel import pipeline
-from llmpipe.train import dry_run
+from llmpipe.tools import dryrun, plan
 from tests.conftest import ROOT, make_cfg
 
 RECIPE = ROOT / "configs" / "llama7b_64dev.yaml"
@@ -121,7 +121,7 @@ def test_tp_pp_local_params_match_shapes_and_dry_run(tmp_path, tp, pp):
     assert counts == _local_counts_from_shapes(args, tp, pp)
     cfg = make_cfg(tmp_path, model={"flavor": "debug", "n_layers": 5}, data__tokenizer={"vocab_size": 512},
                    train={"micro_batch_size": 4, "parallel": {"tp": tp, "pp": pp, "microbatches": 2}})
-    reports = dry_run.simulate(cfg, tp * pp)  # the real TP/PP build on the fake backend
+    reports = dryrun.simulate(cfg, tp * pp)  # the real TP/PP build on the fake backend
     assert [next(r.params for r in reports if r.pp == s and r.tp == 0) for s in range(pp)] == counts
     p = plan.plan(cfg, tp * pp)
     assert p.memory.model_states == 16 * counts[p.memory.pp_rank]  # data=ddp: 16 B per local parameter

@@ -8,10 +8,11 @@ import json
 
 import pytest
 
-from llmpipe import cli, plan_deploy
+from llmpipe import cli
 from llmpipe import config as config_mod
 from llmpipe.models.llama.flavors import FLAVORS
 from llmpipe.stages import stage_dir
+from llmpipe.tools import plan_deploy
 from tests.conftest import ROOT, make_cfg
 
 RECIPE = ROOT / "configs" / "llama7b_64dev.yaml"
