@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import numpy as np
 
+from llmpipe.data.errors import DataError
+
 
 class GlobalBatchSampler:
     def __init__(self, num_samples: int, micro_batch: int, grad_accum: int, world_size: int, seed: int):
         if num_samples < 1:
-            raise ValueError("no training samples")
+            raise DataError("no training samples")
         self.num_samples, self.seed = num_samples, seed
         self.micro_batch, self.grad_accum, self.world_size = micro_batch, grad_accum, world_size
         self._perms: dict[int, np.ndarray] = {}

@@ -35,10 +35,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from llmpipe.config import ConvertOmSection, RunConfig
-from llmpipe.export.atc_args import check_dynamic_dims
+from llmpipe.errors import UserError
+from llmpipe.export.atc_args import AtcArgsError, check_dynamic_dims
 from llmpipe.stages import StageContext, StageError, StageResult
 
 log = logging.getLogger("llmpipe.atc")
+
+
+class AtcInputError(UserError, ValueError):
+    """export_onnx's graph and convert_om's shapes do not fit (or the graph cannot be read); the message
+    names the field or the file."""
+
 
 # Graph names: each prefixes its files (<name>.om: ATC appends ".om" to --output) and keys its metrics.
 PREFILL, DECODER = "model", "decoder"
@@ -62,11 +69,11 @@ def prefill_gears(dynamic_dims: str | None) -> list[int]:
 
 def build_argv(section: ConvertOmSection, atc: str, onnx_path: str | os.PathLike,
                output_prefix: str | os.PathLike) -> list[str]:
-    """ATC's argv for `section`: ONNX at `onnx_path` -> `<output_prefix>.om`. Pure; raises ValueError."""
+    """ATC's argv for `section`: ONNX at `onnx_path` -> `<output_prefix>.om`. Pure; raises AtcArgsError."""
     # NOTE: config validates this too, but a section built with model_construct skips validation,
     # and ATC's own complaint about both flags is far less clear.
     if section.precision_mode and section.precision_mode_v2:
-        raise ValueError("convert_om: set precision_mode or precision_mode_v2, not both (ATC rejects both)")
+        raise AtcArgsError("convert_om: set precision_mode or precision_mode_v2, not both (ATC rejects both)")
     check_dynamic_dims(section.input_shape, section.dynamic_dims)
     argv = [
         str(atc),
@@ -268,7 +275,7 @@ def graph_inputs(onnx_path: str | os.PathLike) -> dict[str, list[int | str]]:
         model = onnx.load(str(onnx_path), load_external_data=False)
     except Exception as err:  # protobuf's DecodeError, a truncated file: the file's fault, not a bug
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise ValueError(f"export_onnx's {Path(onnx_path).name} is not a readable ONNX model ({first})") from None
+        raise AtcInputError(f"export_onnx's {Path(onnx_path).name} is not a readable ONNX model ({first})") from None
     weights = {t.name for t in model.graph.initializer}
     return {v.name: [d.dim_value if d.HasField("dim_value") else (d.dim_param or "?")
                      for d in v.type.tensor_type.shape.dim]
@@ -290,23 +297,23 @@ def _dims(dims: list[int | str]) -> str:
 
 def check_prefill(section: ConvertOmSection, inputs: dict[str, list[int | str]], onnx_name: str) -> None:
     """convert_om.input_shape against the prefill graph's inputs: names it has, their ranks, and every
-    symbolic dim given a size, -1 (gears) or a range. Raises ValueError, one line."""
+    symbolic dim given a size, -1 (gears) or a range. Raises AtcInputError, one line."""
     given = _shape_specs(section.input_shape) if section.input_shape else {}
     for name, dims in given.items():
         spec = f"{name}:{','.join(dims)}"
         if name not in inputs:
-            raise ValueError(f"convert_om.input_shape: {spec!r} names input {name!r}, which {onnx_name} does "
-                             f"not have (its inputs: {', '.join(inputs)})")
+            raise AtcInputError(f"convert_om.input_shape: {spec!r} names input {name!r}, which {onnx_name} does "
+                                f"not have (its inputs: {', '.join(inputs)})")
         if len(dims) != len(inputs[name]):
-            raise ValueError(f"convert_om.input_shape: {spec!r} gives {len(dims)} dims, but {onnx_name}'s "
-                             f"{name} has {len(inputs[name])} ({_dims(inputs[name])})")
+            raise AtcInputError(f"convert_om.input_shape: {spec!r} gives {len(dims)} dims, but {onnx_name}'s "
+                                f"{name} has {len(inputs[name])} ({_dims(inputs[name])})")
     open_dims = [f"{n}: {_dims(d)}" for n, d in inputs.items()
                  if n not in given and any(isinstance(x, str) for x in d)]
     if open_dims:
         what = (f"is null, but {onnx_name} has" if not given
                 else f"{section.input_shape!r} leaves out {onnx_name}'s inputs with")
-        raise ValueError(f"convert_om.input_shape {what} symbolic dims ({'; '.join(open_dims)}): set "
-                         "input_shape with fixed dims, or -1 dims plus dynamic_dims gears")
+        raise AtcInputError(f"convert_om.input_shape {what} symbolic dims ({'; '.join(open_dims)}): set "
+                            "input_shape with fixed dims, or -1 dims plus dynamic_dims gears")
 
 
 def decoder_input_shape(section: ConvertOmSection, inputs: dict[str, list[int | str]], onnx_name: str) -> str:
@@ -317,10 +324,10 @@ def decoder_input_shape(section: ConvertOmSection, inputs: dict[str, list[int | 
     for name, dims in inputs.items():
         for d in dims:
             if isinstance(d, str) and d not in sizes:
-                raise ValueError(f"convert_om.decoder=true: {onnx_name}'s input {name} ({_dims(dims)}) has "
-                                 f"symbolic dim {d!r}; only 'batch' (convert_om.decode_batch="
-                                 f"{section.decode_batch}) and 'chunk' (convert_om.decode_chunk="
-                                 f"{section.decode_chunk}) are fixed at compile time")
+                raise AtcInputError(f"convert_om.decoder=true: {onnx_name}'s input {name} ({_dims(dims)}) has "
+                                    f"symbolic dim {d!r}; only 'batch' (convert_om.decode_batch="
+                                    f"{section.decode_batch}) and 'chunk' (convert_om.decode_chunk="
+                                    f"{section.decode_chunk}) are fixed at compile time")
         specs.append(f"{name}:{_dims([sizes.get(d, d) for d in dims])}")
     return ";".join(specs)
 
@@ -350,7 +357,7 @@ class Graph:
 
 def plan(ctx: StageContext) -> tuple[list[Graph], str | None]:
     """The graphs to compile, each checked against its ONNX file; and why the decoder is not among them
-    (None when it is or was not asked for). Raises ValueError on a combination ATC cannot compile."""
+    (None when it is or was not asked for). Raises AtcInputError on a combination ATC cannot compile."""
     section = ctx.cfg.convert_om
     model = ctx.input_path("export_onnx", "model").resolve()
     check_prefill(section, graph_inputs(model), model.name)

@@ -33,12 +33,19 @@ from pathlib import Path
 
 import numpy as np
 
+from llmpipe.errors import UserError
+
 INTERFACE = "ais_bench.infer.interface"
 INSTALL_HINT = "pip package from Ascend/tools: ais-bench_workload/tool/ais_bench, with its aclruntime backend"
 STATIC, DYMDIMS = "static", "dymdims"  # ais_bench's infer modes: fixed shapes; ATC --dynamic_dims gears
 
 # aclruntime.dtype names that are not numpy's
 _DTYPE_ALIASES = {"double": "float64", "double64": "float64", "bool": "bool"}
+
+
+class OmInputError(UserError, ValueError):
+    """An OM model does not take what it is fed (names, dtypes, shapes, gears) or lacks an output asked
+    for: a model folder that does not match the graph contract; the message names the file."""
 
 
 class AisUnavailable(RuntimeError):
@@ -121,20 +128,20 @@ class OmSession:
         where = self.path.name
         unknown = [name for name in feeds if name not in self.input_names]
         if unknown:
-            raise ValueError(f"{where}: no input named {', '.join(map(repr, unknown))} "
-                             f"(the model's inputs: {', '.join(self.input_names)})")
+            raise OmInputError(f"{where}: no input named {', '.join(map(repr, unknown))} "
+                               f"(the model's inputs: {', '.join(self.input_names)})")
         arrays = []
         for name, shape, dtype in self._inputs:
             if name not in feeds:
-                raise ValueError(f"{where}: input {name!r} is missing (the model's inputs: "
-                                 f"{', '.join(self.input_names)})")
+                raise OmInputError(f"{where}: input {name!r} is missing (the model's inputs: "
+                                   f"{', '.join(self.input_names)})")
             array = np.asarray(feeds[name])
             if array.dtype != dtype:
-                raise ValueError(f"{where}: input {name!r} expects {dtype}, got {array.dtype}")
+                raise OmInputError(f"{where}: input {name!r} expects {dtype}, got {array.dtype}")
             if array.ndim != len(shape) or any(d >= 0 and d != a for d, a in zip(shape, array.shape)):
                 gears = " (-1: a dim the model's gears set)" if min(shape, default=0) < 0 else ""
-                raise ValueError(f"{where}: input {name!r} expects shape {_dims(shape)}{gears}, "
-                                 f"got {_dims(array.shape)}")
+                raise OmInputError(f"{where}: input {name!r} expects shape {_dims(shape)}{gears}, "
+                                   f"got {_dims(array.shape)}")
             # NOTE: older ais_bench versions copy the buffer without making it contiguous first.
             arrays.append(np.ascontiguousarray(array))
         return arrays
@@ -148,16 +155,16 @@ class OmSession:
             if self.mode != DYMDIMS:
                 raise
             shapes = ", ".join(f"{n} {_dims(a.shape)}" for n, a in zip(self.input_names, arrays))
-            raise ValueError(f"{self.path.name}: ais_bench refused input shapes {shapes} in mode {DYMDIMS} "
-                             f"(a model compiled with --dynamic_dims runs only its gears): {err}") from err
+            raise OmInputError(f"{self.path.name}: ais_bench refused input shapes {shapes} in mode {DYMDIMS} "
+                               f"(a model compiled with --dynamic_dims runs only its gears): {err}") from err
 
     def run(self, output_names: Sequence[str] | None, feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
         """Like onnxruntime's InferenceSession.run: the outputs named (all when None), in that order."""
         wanted = list(output_names) if output_names else self.output_names
         unknown = [n for n in wanted if n not in self._outputs]
         if unknown:
-            raise ValueError(f"{self.path.name}: no output named {', '.join(map(repr, unknown))} "
-                             f"(the model's outputs: {', '.join(self._outputs)})")
+            raise OmInputError(f"{self.path.name}: no output named {', '.join(map(repr, unknown))} "
+                               f"(the model's outputs: {', '.join(self._outputs)})")
         outputs = self._infer(self._ordered(feeds))
         return [outputs[self._outputs.index(n)] for n in wanted]
 

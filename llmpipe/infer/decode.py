@@ -34,11 +34,12 @@ import onnxruntime as ort
 import torch
 
 from llmpipe import device
+from llmpipe.errors import UserError
 from llmpipe.infer.graphs import decoder_names, static_inputs
 from llmpipe.models.llama.model import ModelArgs, Transformer
 
 
-class CapacityError(ValueError):
+class CapacityError(UserError, ValueError):
     """The prompt plus the tokens asked for do not fit the engine's cache or the model's context."""
 
 

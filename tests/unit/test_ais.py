@@ -238,3 +238,12 @@ def test_close_frees_the_model_once_and_a_closed_session_refuses_to_run(fake_ais
     session.close()  # idempotent
     with pytest.raises(RuntimeError, match=r"^static\.om: the session is closed$"):
         session.run(None, feeds())
+
+
+def test_an_om_model_fed_an_input_it_does_not_have_is_a_user_error(fake_ais, static_om):
+    from llmpipe.errors import UserError
+
+    x = feeds()
+    with pytest.raises(ais.OmInputError, match=r"^static\.om: no input named 'mask' \(the model's inputs: ") as err:
+        ais.OmSession(static_om).run(None, {**x, "mask": x["input_ids"]})
+    assert isinstance(err.value, UserError)

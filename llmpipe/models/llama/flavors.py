@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from llmpipe.errors import UserError
 from llmpipe.models.llama.model import ModelArgs
+
+
+class FlavorError(UserError, ValueError):
+    """The config's model section names no known flavor, or overrides or an init_from folder that do not
+    fit; the message names the field."""
+
 
 FLAVORS: dict[str, ModelArgs] = {
     # debug: a few hundred thousand parameters, for unit tests.
@@ -35,18 +42,18 @@ def model_args(section, vocab_size: int | None = None) -> ModelArgs:
 
         set_ = [k for k in _OVERRIDABLE if k != "max_seq_len" and getattr(section, k) is not None]
         if set_:
-            raise ValueError(f"model.{set_[0]}: not with model.init_from (the folder's config.json defines the "
-                             "architecture; only model.max_seq_len may be set)")
+            raise FlavorError(f"model.{set_[0]}: not with model.init_from (the folder's config.json defines the "
+                              "architecture; only model.max_seq_len may be set)")
         try:
             args, _ = hf.read_config(section.init_from, section.max_seq_len)
         except hf.HFFolderError as err:
-            raise ValueError(f"model.init_from: {err}") from None
+            raise FlavorError(f"model.init_from: {err}") from None
         if vocab_size is not None and vocab_size > args.vocab_size:
-            raise ValueError(f"model.init_from: the tokenizer has {vocab_size} tokens, more than the model's "
-                             f"vocab_size {args.vocab_size} ({section.init_from}/config.json)")
+            raise FlavorError(f"model.init_from: the tokenizer has {vocab_size} tokens, more than the model's "
+                              f"vocab_size {args.vocab_size} ({section.init_from}/config.json)")
         return args
     if section.flavor not in FLAVORS:
-        raise ValueError(f"model.flavor: unknown flavor {section.flavor!r} (known: {', '.join(FLAVORS)})")
+        raise FlavorError(f"model.flavor: unknown flavor {section.flavor!r} (known: {', '.join(FLAVORS)})")
     changes = {k: getattr(section, k) for k in _OVERRIDABLE if getattr(section, k) is not None}
     if vocab_size is not None:
         changes["vocab_size"] = vocab_size

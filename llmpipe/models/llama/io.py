@@ -8,11 +8,16 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from llmpipe.errors import UserError
 from llmpipe.models.llama.model import ModelArgs, Transformer
 
 WEIGHTS = "model.safetensors"
 CONFIG = "model_config.json"
 TOKENIZER = "tokenizer.json"
+
+
+class ModelConfigError(UserError, ValueError):
+    """A model folder's model_config.json is missing or unreadable; the message names the file."""
 
 
 def read_args(folder: str | Path) -> ModelArgs:
@@ -21,7 +26,7 @@ def read_args(folder: str | Path) -> ModelArgs:
         data = json.loads(path.read_text(encoding="utf-8"))
         return ModelArgs(**data["model"])
     except (OSError, ValueError, KeyError, TypeError) as err:
-        raise ValueError(f"{path}: not a valid model config ({err})") from None
+        raise ModelConfigError(f"{path}: not a valid model config ({err})") from None
 
 
 def write_args(folder: str | Path, args: ModelArgs, dtype: str) -> Path:
