@@ -14,8 +14,9 @@ ModelParallelStrategy for tp/pp). Measured, on each rank:
     act      bytes of the distinct tensors autograd saves during one forward + loss (a
              torch.autograd.graph.saved_tensors_hooks pack hook; parameters, buffers and their shards
              excluded), on the first micro-step. Planned: the plan's activations without checkpointing
-             (llmpipe.tools.plan's count of a LLaMA block's saved tensors plus fp32 logits). Not measured with a pipeline
-             schedule: its saved tensors live and die across micro-batches, so a sum is not the peak.
+             (llmpipe.tools.plan's count of a LLaMA block's saved tensors plus fp32 logits). Not measured
+             with a pipeline schedule: its saved tensors live and die across micro-batches, so a sum is not
+             the peak.
 
 Every micro-step syncs gradients (like memory_per_rank), so FSDP's unsharded accumulation gradients do not
 appear; they are in the plan's `working` bytes, which this comparison leaves out.
