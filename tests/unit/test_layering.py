@@ -178,7 +178,8 @@ LAYERS = (
     {"models"},  # the architecture and its Hugging Face names
     {"config"},  # the typed config tree
     {"stages"},  # the stage contract: fingerprints, skip, partial folder, publish
-    {"data", "checkpoint", "parallel", "infer"},  # the engines: corpus and shards, state, layouts, inference
+    {"data", "checkpoint", "infer"},  # corpus and shards, the training state on disk, the inference runtime
+    {"parallel"},  # layouts and strategies: they use checkpoint/, checkpoint/ never reaches into them
     {"train", "export", "bench"},  # the stages that drive them
     {"config_checks", "preflight"},  # what is checked before a run: of the config alone, of this machine
     {"tools"},  # user tools outside the stages
@@ -189,6 +190,8 @@ BACK_ARROWS = {
     # config.from_dict runs its checks lazily; config_checks imports no config (no circle)
     ("llmpipe.config", "llmpipe.config_checks"),
 }
+# NOTE: goes with issue 23 item 1, which moves TAG (DeepSpeed's tag folder) under checkpoint/.
+BACK_PENDING = {("llmpipe.checkpoint.zero", "llmpipe.parallel.zero_config")}
 
 
 def _room(module: str) -> str:
@@ -208,8 +211,8 @@ def test_every_room_has_a_layer():
 
 def test_at_most_three_imports_run_back_up():
     back = {(m, t) for m, targets in _edges().items() for t in targets if _layer(t) > _layer(m)}
-    assert back == BACK_ARROWS
-    assert len(BACK_ARROWS) <= 3
+    assert back - BACK_PENDING == BACK_ARROWS
+    assert len(BACK_ARROWS | BACK_PENDING) <= 3
 
 
 # NOTE: checkpoint/ is being rewritten for issue 23 item 1 (one module writes and reads the training
