@@ -54,7 +54,7 @@ def child(method: str, checkpoint: Path, out: Path) -> dict:
     else:
         from deepspeed.utils import zero_to_fp32
 
-        from llmpipe.parallel.zero import TAG
+        from llmpipe.checkpoint.zero import TAG
 
         def work():
             if method == "ds-convert":

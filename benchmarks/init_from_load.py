@@ -49,15 +49,15 @@ def raw_read(folder: Path) -> float:
 
 
 def llmpipe_load(folder: Path) -> float:
+    from llmpipe.device import Env
     from llmpipe.models.llama import hf
-    from llmpipe.parallel.builder import build_part
-    from llmpipe.train.loop import Env
+    from llmpipe.parallel.builder import BuildOptions, build_part
     from tests.conftest import make_cfg
 
     t0 = time.perf_counter()
     cfg = make_cfg(folder.parent / "cfg", model={"init_from": str(folder)}, data={"seq_len": 32})
     args = hf.read_config(folder)[0]
-    model = build_part(cfg, Env(0, 1, torch.device("cpu"), "fp32"), args)
+    model = build_part(BuildOptions.from_config(cfg), Env(0, 1, torch.device("cpu"), "fp32"), args)
     elapsed = time.perf_counter() - t0
     del model
     return elapsed

@@ -109,7 +109,7 @@ def count_states(module: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[st
 def _torch_optimizer(strategy) -> torch.optim.Optimizer:
     """The torch optimizer that does the update (DeepSpeed keeps the client one as basic_optimizer)."""
     engine = getattr(strategy, "engine", None)
-    return engine.basic_optimizer if engine is not None else strategy.opt
+    return engine.basic_optimizer if engine is not None else strategy.opts[0]
 
 
 def init_worker(config: str):
@@ -118,7 +118,7 @@ def init_worker(config: str):
     import torch.distributed as dist
 
     from llmpipe import config as config_mod
-    from llmpipe.train.loop import Env
+    from llmpipe.device import Env
 
     cfg = config_mod.load(config)
     dist.init_process_group("gloo")

@@ -73,9 +73,9 @@ def worker(config: str, out: str, steps: int) -> None:
     import torch.distributed as dist
 
     from llmpipe import config as config_mod
+    from llmpipe.device import Env
     from llmpipe.models.llama import model_args
     from llmpipe.parallel.model_parallel import ModelParallelStrategy
-    from llmpipe.train.loop import Env
     from llmpipe.train.main import _exit
 
     cfg = config_mod.load(config)

@@ -124,10 +124,7 @@ def _micro_step(strategy, forward, x, y, measure: bool) -> int | None:
         with strategy.forward_context():
             logits = forward(x)  # (B, T, vocab)
         loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    if hasattr(strategy, "parts"):  # ModelParallelStrategy without a pipeline divides by accumulation itself
-        (loss / strategy.accum).backward()
-    else:
-        strategy.backward(loss)
+    strategy.backward(loss)
     return saved.total if measure else None
 
 

@@ -16,6 +16,32 @@ from dataclasses import dataclass
 
 import torch
 
+
+@dataclass
+class Env:
+    """Where this process trains: its rank in the world, its device and the resolved precision."""
+
+    rank: int
+    world: int
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16, resolved from train.precision.dtype
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
+def env(device: str, dtype: str) -> Env:
+    """This process's Env: rank and world from the process group (0 and 1 without one), the device
+    resolved from run.device and the precision from train.precision.dtype."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    resolved = resolve(device)
+    return Env(rank, world, resolved, precision(resolved, dtype))
+
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 # What `llmpipe plan` sizes for when not told otherwise: an Ascend 910B2 (64 GiB of HBM), named as it

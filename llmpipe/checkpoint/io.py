@@ -38,7 +38,11 @@ from llmpipe.manifest import sha256_file
 log = logging.getLogger("llmpipe.checkpoint")
 
 META = "meta.json"
+# The files of a checkpoint folder, named once (llmpipe.checkpoint.state writes and reads them;
+# checkpoint.dcp names dcp/, checkpoint.zero DeepSpeed's deepspeed/).
 MODEL = "model.safetensors"  # the full-format weights file
+OPTIM = "optimizer.pt"  # the full-format optimizer state
+TRAINER = "trainer_state.pt"  # counters, RNG, lr schedule, loss scaler (formats full and dcp; rank 0)
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 

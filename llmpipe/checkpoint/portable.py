@@ -18,7 +18,6 @@ moments go through DeepSpeed's public tensor-fragment API (ZeroStrategy.load_ful
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,11 +27,10 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmpipe.checkpoint import io as ckpt
+from llmpipe.checkpoint.io import OPTIM, TRAINER
 
 log = logging.getLogger("llmpipe.checkpoint")
 
-TRAINER = "trainer_state.pt"  # written by rank 0 in the "full" and "dcp" formats
-OPTIM = "optimizer.pt"
 _OPTIM_PREFIX = "optim.state."
 
 
@@ -102,19 +100,3 @@ def _read_dcp(folder: Path, optim: bool = True) -> tuple[dict, dict]:
             name, _, state = key.removeprefix(_OPTIM_PREFIX).rpartition(".")
             moments.setdefault(name, {})[state] = load_key(reader, key, entry)
     return model, moments
-
-
-def load_into(strategy, folder: Path) -> dict[str, Any]:
-    """Read `folder` (any torch-native layout) into `strategy` (DDP, FSDP2, dp x tp x pp); returns the
-    trainer state. The schedule and loss scale are restored here; the loop re-tunes the rest."""
-    t0 = time.perf_counter()
-    state = read(folder)
-    strategy.load_full(state.model, state.optim)
-    for _, sched in strategy.optimizers():
-        sched.load_state_dict(state.trainer["scheduler"])
-    scaler = getattr(strategy, "scaler", None)
-    if scaler is not None and state.trainer.get("scaler"):
-        scaler.load_state_dict(state.trainer["scaler"])
-    log.info("resumed %s into a %s layout: %d tensors, %d optimizer states resharded in %.2fs", folder,
-             type(strategy).__name__, len(state.model), len(state.optim), time.perf_counter() - t0)
-    return state.trainer

@@ -31,8 +31,8 @@ import torch
 from llmpipe import device as dev
 from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.models.llama import io as model_io
-from llmpipe.parallel.zero_config import TAG  # the tag folder ZeroStrategy writes; `latest` names it too
 
+TAG = "deepspeed"  # DeepSpeed's tag folder inside each llmpipe checkpoint folder; `latest` names it too
 REMAP_BYTES = 64 << 20
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # bf16_: bf16 runs
 # DeepSpeed objects pickled into its checkpoint files besides tensors and plain containers.

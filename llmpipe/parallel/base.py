@@ -1,12 +1,16 @@
 """The strategy interface: what the training loop drives, and nothing more.
 
 A strategy owns one layout: how its model (built by llmpipe.parallel.builder), gradients and
-optimizer (llmpipe.optim) are held, synchronised, stepped and checkpointed. Strategies: DDPStrategy
-(torch DDP), FSDPStrategy (FSDP2), ZeroStrategy (DeepSpeed ZeRO 1/2/3), ModelParallelStrategy
-(dp x tp x pp). Each is made by `llmpipe.parallel.build_strategy(cfg, env, args)` and reads its
-settings from the config itself; the loop writes nothing into it. What the loop uses:
+optimizer (llmpipe.optim) are held, synchronised and stepped. Every strategy gets its `parts` (a list,
+also without pipeline parallel), optimizers, schedules and scaler from one composer
+(llmpipe.parallel.compose) and exposes them for checkpoints as a `TrainState`; llmpipe.checkpoint.state
+writes and reads it. Strategies: DDPStrategy (torch DDP), FSDPStrategy (FSDP2), ZeroStrategy
+(DeepSpeed ZeRO 1/2/3), ModelParallelStrategy (dp x tp x pp). Each is made by
+`llmpipe.parallel.build_strategy(cfg, env, args)` and reads its settings from the config itself; the
+loop writes nothing into it. What the loop uses:
 
     module, format                  the model to call; the checkpoint format ("full" | "dcp" | "deepspeed")
+    state_format, train_state()     how its state is keyed in that format; the state itself
     data_rank, data_world           which share of each global batch this rank reads
     micro_context(sync)             around a micro-step's forward + backward (sync=False: no gradient sync)
     sync_first_step                 whether a process's first step must sync every micro-step
@@ -29,6 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from llmpipe.checkpoint import state as ckpt_state
 
 
 def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -97,22 +103,36 @@ class Strategy:
         communication hook, llmpipe.parallel.comm_hooks); None where not counted."""
         return None
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> Any:
+    # -- state: what the composer made (llmpipe.parallel.compose), exposed for checkpoints --------------
+
+    parts: list[nn.Module]  # the model, or this pipeline rank's stages
+    opts: list[Any]  # one optimizer per part
+    scheds: list[Any]  # one lr schedule per part
+    scaler: Any = None  # fp16's GradScaler, else None
+    state_format = "full"  # how the state is keyed in `format` (llmpipe.checkpoint.state)
+
+    def train_state(self) -> ckpt_state.TrainState:
+        """What a checkpoint holds of this strategy (written and read by llmpipe.checkpoint.state)."""
+        return ckpt_state.TrainState(self.state_format, self.parts, self.opts, self.scheds, self.scaler)
+
+    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any], asynchronous: bool = False,
+                         group=None) -> Any:
         """Called on every rank with the same (temporary) folder; write this rank's part and return
         the paths written (or an io.Written), which this rank then hashes (io.Saver)."""
-        raise NotImplementedError
+        return ckpt_state.write(folder, self.train_state(), trainer_state, self.env.rank, asynchronous, group)
 
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
-        """Restore from a verified checkpoint folder; returns the trainer state written with it."""
-        raise NotImplementedError
+        """Restore from a verified checkpoint folder of this strategy's own format; returns the
+        trainer state written with it."""
+        return ckpt_state.read_own(folder, self.env, self.train_state, self.format)
 
     def optimizers(self) -> list[tuple[Any, Any]]:
         """(optimizer, LambdaLR) pairs this strategy steps; a resume re-tunes them to the config."""
-        return [(self.opt, self.sched)]
+        return list(zip(self.opts, self.scheds))
 
     def state_modules(self) -> list[tuple[nn.Module, Any]]:
         """(module, its optimizer) pairs whose state a checkpoint holds (not DDP's wrapper)."""
-        return [(self.model, self.opt)]
+        return list(zip(self.parts, self.opts))
 
     def load_full(self, model: dict[str, torch.Tensor], optim: dict[str, dict[str, torch.Tensor]]) -> None:
         """Load full tensors by llmpipe name (another layout's checkpoint, llmpipe.checkpoint.portable)
@@ -184,52 +204,61 @@ def clean_name(name: str) -> str:
 
 
 class TorchOptimizerStrategy(Strategy):
-    """Shared by strategies that drive a torch optimizer themselves (DDP, FSDP2): loss scaling for
-    fp16, accumulation by dividing the loss, clip -> step -> schedule. Subclasses set `model`,
-    `opt`, `sched`, `scaler` (or None), `accum`, and may override `grad_norm` (DTensor gradients)."""
+    """Shared by strategies that drive torch optimizers themselves (DDP, FSDP2, dp x tp x pp): loss
+    scaling for fp16, accumulation by dividing the loss, clip -> step -> schedule over every part.
+    Subclasses set `parts`, `opts`, `scheds`, `scaler` (from compose), `accum`, `max_grad_norm`, and
+    may override `grad_norm` and `clip` (DTensor gradients, pipeline stages)."""
 
-    model: nn.Module
-    opt: torch.optim.Optimizer
-    sched: Any
-    scaler: Any
     accum: int
     max_grad_norm: float | None
 
+    def params(self) -> list[nn.Parameter]:
+        return [p for part in self.parts for p in part.parameters()]
+
     def grad_norm(self) -> torch.Tensor:
         """The global gradient norm (no clipping)."""
-        return torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None],
-                                             foreach=True)
+        return torch.nn.utils.get_total_norm([p.grad for p in self.params() if p.grad is not None], foreach=True)
 
     def clip(self, norm: torch.Tensor) -> None:
         clip = self.max_grad_norm
-        torch.nn.utils.clip_grads_with_norm_(list(self.model.parameters()), clip if clip else float("inf"), norm,
-                                             foreach=True)
+        torch.nn.utils.clip_grads_with_norm_(self.params(), clip if clip else float("inf"), norm, foreach=True)
 
     def backward(self, loss: torch.Tensor) -> None:
         scaled = loss / self.accum
         (self.scaler.scale(scaled) if self.scaler else scaled).backward()
 
+    def _zero_grad(self) -> None:
+        for opt in self.opts:
+            opt.zero_grad(set_to_none=True)
+
     def step(self, number: int) -> float:
+        """The one step of every torch-optimizer layout: unscale (fp16), global norm, NaN guard, clip,
+        each part's optimizer and schedule."""
         self.step_number = number
         if self.scaler is not None:
-            self.scaler.unscale_(self.opt)
+            for opt in self.opts:
+                self.scaler.unscale_(opt)
         norm = self.grad_norm()
         # fp16 overflow is the scaler's to skip; anything else non-finite meets the NaN guard
-        if self.scaler is None and self.guard_nonfinite(norm, lambda: self.opt.zero_grad(set_to_none=True)):
-            self.sched.step()
+        if self.scaler is None and self.guard_nonfinite(norm, self._zero_grad):
+            for sched in self.scheds:
+                sched.step()
             return float(norm)
         self.clip(norm)
+        for opt in self.opts:
+            if self.scaler is not None:
+                self.scaler.step(opt)  # skipped when the unscaled gradients hold inf/nan
+            else:
+                opt.step()
         if self.scaler is not None:
-            self.scaler.step(self.opt)  # skipped when the unscaled gradients hold inf/nan
             self.scaler.update()
-        else:
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.sched.step()
+        for opt, sched in zip(self.opts, self.scheds):
+            opt.zero_grad(set_to_none=True)
+            sched.step()
         return float(norm)
 
     def lr(self) -> float:
-        return self.opt.param_groups[0]["lr"]
+        return self.opts[0].param_groups[0]["lr"]
 
     def loss_scale(self) -> float | None:
         return float(self.scaler.get_scale()) if self.scaler is not None else None

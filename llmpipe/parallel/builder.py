@@ -13,6 +13,9 @@ from the start (`zero3_model`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -37,7 +40,27 @@ def mixed_precision(precision: str) -> tuple[torch.dtype | None, torch.dtype | N
     return dev.dtype(precision), torch.float32
 
 
-def build_part(cfg, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, data: str = "none",
+@dataclass(frozen=True)
+class BuildOptions:
+    """The few settings the builder reads (not the whole RunConfig)."""
+
+    seed: int  # run.seed: every parameter's initial value is drawn from it (per parameter)
+    model: Any = None  # the model section: its init_from names pretrained weights (models.llama.hf.pretrained)
+    activation_checkpointing: bool = False  # train.activation_checkpointing
+    compile: bool = False  # train.compile
+    sequence_parallel: bool = False  # train.parallel.sequence_parallel (tp > 1)
+    reshard_after_forward: bool = True  # train.parallel.reshard_after_forward (FSDP2)
+    offload_param: str = "none"  # train.parallel.offload_param (ZeRO-3)
+
+    @classmethod
+    def from_config(cls, cfg) -> BuildOptions:
+        t, p = cfg.train, cfg.train.parallel
+        return cls(seed=cfg.run.seed, model=cfg.model, activation_checkpointing=t.activation_checkpointing,
+                   compile=t.compile, sequence_parallel=p.sequence_parallel,
+                   reshard_after_forward=p.reshard_after_forward, offload_param=p.offload_param)
+
+
+def build_part(opts: BuildOptions, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, data: str = "none",
                stage: int = 0, n_stages: int = 1, layer_ids: list[int] | None = None) -> Transformer:
     """This rank's model (or pipeline stage `stage` of `n_stages`, holding `layer_ids`), built in
     the fixed order above. `data`: "fsdp" (fully_shard on mesh["dp"]), "replicate" (FSDP2-based DDP
@@ -47,24 +70,24 @@ def build_part(cfg, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, dat
     if n_stages > 1:
         pipeline.build_stage_module(model, stage, n_stages, layer_ids)
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
-        tensor_parallel.apply(model, mesh, cfg.train.parallel.sequence_parallel)
-    if cfg.train.activation_checkpointing:
+        tensor_parallel.apply(model, mesh, opts.sequence_parallel)
+    if opts.activation_checkpointing:
         apply_activation_checkpointing(model)
-    if cfg.train.compile:
+    if opts.compile:
         apply_compile(model, dev.compile_backend(env.device))
     if data != "none":
         param_dtype, reduce_dtype = mixed_precision(env.precision)
         if data == "fsdp":
-            apply_fsdp(model, mesh["dp"], param_dtype, reduce_dtype, cfg.train.parallel.reshard_after_forward)
+            apply_fsdp(model, mesh["dp"], param_dtype, reduce_dtype, opts.reshard_after_forward)
         else:
             apply_replicate(model, mesh["dp"], param_dtype, reduce_dtype)
     model.to_empty(device=env.device)
-    init_weights(model, cfg.run.seed, source=pretrained(cfg.model, args))
+    init_weights(model, opts.seed, source=pretrained(opts.model, args))
     model.train()
     return model
 
 
-def zero3_model(cfg, env, args: ModelArgs, ds_config: dict) -> Transformer:
+def zero3_model(opts: BuildOptions, env, args: ModelArgs, ds_config: dict) -> Transformer:
     """ZeRO-3: every parameter partitioned over the ranks as soon as its module is built
     (deepspeed.zero.Init), so no rank ever holds the whole model; then each rank writes its own
     partition of each parameter's initial value (the same one process would draw, or
@@ -76,16 +99,17 @@ def zero3_model(cfg, env, args: ModelArgs, ds_config: dict) -> Transformer:
     # precision sections (and a micro-batch size, which it insists on) only.
     init_cfg = {k: v for k, v in ds_config.items() if k in ("zero_optimization", "bf16", "fp16",
                                                             "train_micro_batch_size_per_gpu")}
-    with deepspeed.zero.Init(config_dict_or_path=init_cfg, remote_device="cpu" if _offload(cfg) else None):
+    remote = "cpu" if opts.offload_param != "none" else None
+    with deepspeed.zero.Init(config_dict_or_path=init_cfg, remote_device=remote):
         model = Transformer(args)
-    if cfg.train.activation_checkpointing:
+    if opts.activation_checkpointing:
         apply_activation_checkpointing(model)
     model.rope_cos, model.rope_sin = model.rope_cos.to(env.device), model.rope_sin.to(env.device)
-    source = pretrained(cfg.model, args)
+    source = pretrained(opts.model, args)
     with torch.no_grad():
         for name, p in model.named_parameters():
             clean = name.replace("_checkpoint_wrapped_module.", "")
-            full = source(clean) if source else init_tensor(args, clean, tuple(p.ds_shape), cfg.run.seed)
+            full = source(clean) if source else init_tensor(args, clean, tuple(p.ds_shape), opts.seed)
             write_partition(p, full, env.rank, env.world)
     model.train()
     return model
@@ -101,7 +125,3 @@ def write_partition(p, full: torch.Tensor, rank: int, world: int) -> None:
     flat = full.reshape(-1)[rank * size:(rank + 1) * size]
     p.ds_tensor.zero_()
     p.ds_tensor[:flat.numel()].copy_(flat.to(p.ds_tensor.dtype))
-
-
-def _offload(cfg) -> bool:
-    return cfg.train.parallel.offload_param != "none"

@@ -10,30 +10,14 @@ resumed on a different world size; llmpipe.checkpoint.dcp consolidates it into o
 from __future__ import annotations
 
 import contextlib
-from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
-from llmpipe import device as dev
-from llmpipe.checkpoint.dcp import DCP_DIR, save_state
-from llmpipe.checkpoint.io import Written
-from llmpipe.checkpoint.trust import SafeReader
-from llmpipe.optim import build_optimizer
 from llmpipe.parallel.base import TorchOptimizerStrategy
-from llmpipe.parallel.builder import build_part
-
-TRAINER = "trainer_state.pt"
+from llmpipe.parallel.compose import compose
 
 
 def dp_mesh(device: torch.device, world: int) -> DeviceMesh:
@@ -66,7 +50,7 @@ def model_state_bytes(model: nn.Module, optimizer: torch.optim.Optimizer) -> dic
 class FSDPStrategy(TorchOptimizerStrategy):
     """FSDP2 over a 1-D mesh; mixed precision by policy (no autocast); GradScaler for fp16."""
 
-    format = "dcp"
+    format, state_format = "dcp", "dcp-nested"
 
     def __init__(self, cfg, env, args):
         if not torch.distributed.is_initialized():
@@ -74,54 +58,25 @@ class FSDPStrategy(TorchOptimizerStrategy):
                              "(train.nproc_per_node >= 1), not in-process")
         self.cfg, self.env = cfg, env
         self.mesh = dp_mesh(env.device, env.world)
-        # built on meta, sharded, then each rank allocates and initialises only its shards
-        self.model = self.module = build_part(cfg, env, args, mesh=self.mesh, data="fsdp")
-        self.opt, self.sched = build_optimizer(self.model, cfg, env.world)
-        ls = cfg.train.precision.loss_scale
-        # NOTE: torch.amp.GradScaler handles DTensor gradients: DTensor's dispatch of
-        # _amp_foreach_non_finite_check_and_unscale_ reduces found_inf over the mesh (max), so every
-        # rank skips the same steps. Gradients are fp32 (the sharded parameters' dtype).
-        self.scaler = dev.grad_scaler(env.device, env.precision, ls.init, ls.growth_interval)
+        # built on meta, sharded, then each rank allocates and initialises only its shards; gradients
+        # are fp32 (the sharded parameters' dtype), which the fp16 scaler unscales
+        c = compose(cfg, env, args, mesh=self.mesh, data="fsdp")
+        self.parts, self.opts, self.scheds, self.scaler = c.parts, c.optimizers, c.schedulers, c.scaler
+        self.module = self.parts[0]
         self.accum, self.max_grad_norm = cfg.train.grad_accum_steps, cfg.train.optim.clip_grad_norm
 
     def micro_context(self, sync: bool):
         # NOTE: without sync FSDP2 keeps unsharded gradients until the last micro-step's
         # reduce-scatter: less communication, but full-size gradients per rank while accumulating.
-        self.model.set_requires_gradient_sync(sync)
+        self.module.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
 
     def grad_norm(self) -> torch.Tensor:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in self.model.parameters() if p.grad is not None],
-                                             foreach=True)
+        norm = super().grad_norm()
         return norm.full_tensor() if isinstance(norm, DTensor) else norm  # partial over the shards: reduce
 
     def memory_stats(self) -> dict[str, int]:
-        return model_state_bytes(self.model, self.opt)
-
-    def _state(self) -> dict[str, Any]:
-        # get_*_state_dict strip wrapper prefixes (checkpoint_wrapper's): keys are llmpipe's names.
-        return {"model": get_model_state_dict(self.model), "optim": get_optimizer_state_dict(self.model, self.opt)}
-
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any], asynchronous: bool = False,
-                         group=None) -> Written:
-        written = save_state(self._state(), folder, self.env.rank, asynchronous, group)
-        if self.env.rank != 0:
-            return written
-        torch.save({**trainer_state, "scheduler": self.sched.state_dict(),
-                    "scaler": self.scaler.state_dict() if self.scaler is not None else None},
-                   Path(folder) / TRAINER)
-        return Written(lambda: [*written.claims(), Path(folder) / TRAINER], written.pending)
-
-    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
-        state = self._state()  # the shapes and shardings to load into (initialises Adam's states)
-        dcp.load(state, storage_reader=SafeReader(Path(folder) / DCP_DIR))  # no pickle.load of .metadata
-        set_model_state_dict(self.model, state["model"])
-        set_optimizer_state_dict(self.model, self.opt, state["optim"])
-        trainer = torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)
-        self.sched.load_state_dict(trainer["scheduler"])
-        if self.scaler is not None and trainer.get("scaler"):
-            self.scaler.load_state_dict(trainer["scaler"])
-        return trainer
+        return model_state_bytes(self.module, self.opts[0])
 
     def close(self) -> None:
-        del self.module, self.model, self.opt, self.sched, self.mesh
+        del self.module, self.parts, self.opts, self.scheds, self.mesh

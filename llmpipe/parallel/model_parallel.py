@@ -16,38 +16,22 @@ and a checkpoint resumes on the same layout or (DCP reshards) another.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_model_state_dict,
-    set_optimizer_state_dict,
-)
 
-from llmpipe.checkpoint.dcp import DCP_DIR, save_state
-from llmpipe.checkpoint.io import Written
-from llmpipe.checkpoint.trust import SafeReader
-from llmpipe.models.llama.model import ModelArgs, Transformer
-from llmpipe.optim import build_optimizer
+from llmpipe.checkpoint.state import TrainState
+from llmpipe.models.llama.model import ModelArgs
 from llmpipe.parallel import mesh as mesh_mod
 from llmpipe.parallel import pipeline, tensor_parallel
-from llmpipe.parallel.base import Strategy, token_loss_sum
-from llmpipe.parallel.builder import build_part
+from llmpipe.parallel.base import TorchOptimizerStrategy, token_loss_sum
+from llmpipe.parallel.compose import compose
 from llmpipe.parallel.grad_norm import clip_, total_grad_norm
 from llmpipe.parallel.mesh import check_supported
 
 log = logging.getLogger("llmpipe.train")
-
-TRAINER = "trainer_state.pt"
-_OPTIM_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class _StageLoss:
@@ -65,10 +49,10 @@ class _StageLoss:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.divisor
 
 
-class ModelParallelStrategy(Strategy):
+class ModelParallelStrategy(TorchOptimizerStrategy):
     """dp x tp x pp with DDP (`replicate`) or FSDP2 on the dp axis; fp32 or bf16 (by FSDP's policy)."""
 
-    format = "dcp"
+    format, state_format = "dcp", "dcp-flat"  # optimizer state flattened by name: parts merge into one
 
     def __init__(self, cfg, env, args: ModelArgs):
         if not dist.is_initialized():
@@ -83,10 +67,13 @@ class ModelParallelStrategy(Strategy):
         n_stages = self.dims.pp * par.virtual_stages
         self.stage_ids = pipeline.stage_ids(self.pp_rank, self.dims.pp, par.virtual_stages)
         splits = pipeline.split_layers(args.n_layers, n_stages, par.split_points)
-        self.parts = [self._build_part(s, n_stages, splits[s]) for s in self.stage_ids]
+        # data=ddp is `replicate` here, also at dp=1, where it does no communication but applies
+        # the precision policy
+        c = compose(cfg, env, args, mesh=self.mesh, data="fsdp" if par.data == "fsdp" else "replicate",
+                    stages=[(s, n_stages, splits[s]) for s in self.stage_ids])
+        self.parts, self.opts, self.scheds, self.scaler = c.parts, c.optimizers, c.schedulers, c.scaler
         self.module = nn.ModuleList(self.parts)  # for train()/eval(); forward goes through the parts
         self.accum, self.max_grad_norm = t.grad_accum_steps, t.optim.clip_grad_norm
-        self.opts, self.scheds = zip(*(build_optimizer(p, self.cfg, self.env.world) for p in self.parts))
         self.has_loss = self.dims.pp == 1 or (n_stages - 1) in self.stage_ids
         self.schedule = None
         if self.dims.pp > 1:
@@ -100,15 +87,6 @@ class ModelParallelStrategy(Strategy):
             log.info("layout dp=%d x tp=%d x pp=%d (%s, data=%s): rank 0 holds stage(s) %s, %s local parameters",
                      self.dims.dp, self.dims.tp, self.dims.pp, par.pp_schedule if self.dims.pp > 1 else "no pipeline",
                      par.data, self.stage_ids, f"{sum(tensor_parallel.local_numel(p) for p in self.parts):,}")
-
-    # -- building -------------------------------------------------------------------------------------
-
-    def _build_part(self, stage: int, n_stages: int, layer_ids: list[int]) -> Transformer:
-        # data=ddp is `replicate` here, also at dp=1, where it does no communication but applies
-        # the precision policy
-        data = "fsdp" if self.cfg.train.parallel.data == "fsdp" else "replicate"
-        return build_part(self.cfg, self.env, self.args, mesh=self.mesh, data=data, stage=stage,
-                          n_stages=n_stages, layer_ids=layer_ids)
 
     # -- data -----------------------------------------------------------------------------------------
 
@@ -131,7 +109,7 @@ class ModelParallelStrategy(Strategy):
     def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
         if self.schedule is None:
             loss = F.cross_entropy(self.parts[0](x).float().flatten(0, 1), y.flatten())
-            (loss / self.accum).backward()
+            self.backward(loss)
             return loss.detach()
         losses: list[torch.Tensor] = []
         self.schedule.step(x, target=y, losses=losses if self.has_loss else None, return_outputs=False)
@@ -150,9 +128,6 @@ class ModelParallelStrategy(Strategy):
             self.stage_loss.summed = False
         return torch.stack(losses).sum() if self.has_loss else None
 
-    def params(self) -> list[nn.Parameter]:
-        return [p for part in self.parts for p in part.parameters()]
-
     def named_parameters(self) -> list[tuple[str, torch.Tensor]]:
         return [(n.replace("_checkpoint_wrapped_module.", ""), p) for part in self.parts
                 for n, p in part.named_parameters()]
@@ -160,63 +135,17 @@ class ModelParallelStrategy(Strategy):
     def replica_group(self):
         return self.mesh["dp"].get_group()
 
-    def step(self, number: int) -> float:
-        self.step_number = number
-        params = self.params()
-        norm = total_grad_norm(params, self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+    def grad_norm(self) -> torch.Tensor:
         # NOTE: the norm is global (reduced over tp, dp and pp), so every rank skips or stops together
-        if self.guard_nonfinite(norm, lambda: [opt.zero_grad(set_to_none=True) for opt in self.opts]):
-            for sched in self.scheds:
-                sched.step()
-            return float(norm)
-        clip_(params, norm, self.max_grad_norm)
-        for opt, sched in zip(self.opts, self.scheds):
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sched.step()
-        return float(norm)
+        return total_grad_norm(self.params(), self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
 
-    def lr(self) -> float:
-        return self.opts[0].param_groups[0]["lr"]
+    def clip(self, norm: torch.Tensor) -> None:
+        clip_(self.params(), norm, self.max_grad_norm)
 
-    def optimizers(self) -> list[tuple[Any, Any]]:
-        return list(zip(self.opts, self.scheds))
-
-    def state_modules(self) -> list[tuple[nn.Module, Any]]:
-        return list(zip(self.parts, self.opts))
-
-    # -- checkpoints ----------------------------------------------------------------------------------
-
-    def _state(self) -> dict[str, Any]:
-        model: dict[str, Any] = {}
-        optim: dict[str, Any] = {}
-        for part, opt in zip(self.parts, self.opts):
-            model.update(get_model_state_dict(part))
-            optim.update(get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS))
-        return {"model": model, "optim": optim}
-
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any], asynchronous: bool = False,
-                         group=None) -> Written:
-        written = save_state(self._state(), folder, self.env.rank, asynchronous, group)
-        if self.env.rank != 0:
-            return written
-        torch.save({**trainer_state, "scheduler": self.scheds[0].state_dict(),
-                    "layout": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}},
-                   Path(folder) / TRAINER)
-        return Written(lambda: [*written.claims(), Path(folder) / TRAINER], written.pending)
-
-    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
-        state = self._state()  # the shapes and shardings to load into (initialises Adam's states)
-        dcp.load(state, storage_reader=SafeReader(Path(folder) / DCP_DIR))  # no pickle.load of .metadata
-        for part, opt in zip(self.parts, self.opts):
-            names = set(get_model_state_dict(part))
-            set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
-            mine = get_optimizer_state_dict(part, opt, options=_OPTIM_OPTIONS)
-            set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in mine}, options=_OPTIM_OPTIONS)
-        trainer = torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)
-        for sched in self.scheds:
-            sched.load_state_dict(trainer["scheduler"])
-        return trainer
+    def train_state(self) -> TrainState:
+        ts = super().train_state()
+        ts.extra = {"layout": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}}
+        return ts
 
     def close(self) -> None:
         del self.schedule, self.parts, self.module, self.opts, self.scheds, self.mesh

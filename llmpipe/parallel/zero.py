@@ -16,23 +16,21 @@ from __future__ import annotations
 
 import contextlib
 import os
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from llmpipe.checkpoint import io as ckpt
-from llmpipe.optim import build_optimizer
+from llmpipe.checkpoint.state import TrainState
 from llmpipe.parallel.base import Strategy
-from llmpipe.parallel.builder import build_part, zero3_model
+from llmpipe.parallel.compose import compose
 from llmpipe.parallel.zero_config import TAG, check_batch, deepspeed_config, ds_optimizer_built, use_ds_optimizer  # noqa: F401
 
 
 class ZeroStrategy(Strategy):
     """DeepSpeed ZeRO around the loop's model, torch AdamW and LambdaLR."""
 
-    format = "deepspeed"
+    format = state_format = "deepspeed"
     supports_replica_checks = False  # parameters and gradients live in DeepSpeed's partitions
 
     def __init__(self, cfg, env, args):
@@ -48,10 +46,11 @@ class ZeroStrategy(Strategy):
         self.cfg, self.env = cfg, env
         own = use_ds_optimizer(cfg)
         self.ds_config = deepspeed_config(cfg, env.world, env.precision, ds_optimizer=own)
-        # ZeRO-3 partitions every parameter as it is built; ZeRO-1/2 keep whole parameters
-        model = (zero3_model(cfg, env, args, self.ds_config) if cfg.train.parallel.zero_stage == 3
-                 else build_part(cfg, env, args))
-        optimizer, scheduler = build_optimizer(model, cfg, env.world)
+        # ZeRO-3 partitions every parameter as it is built; ZeRO-1/2 keep whole parameters. DeepSpeed
+        # scales fp16 losses itself.
+        c = compose(cfg, env, args, zero3_config=self.ds_config if cfg.train.parallel.zero_stage == 3 else None,
+                    scaler=False)
+        (model,), (optimizer,), (scheduler,) = c.parts, c.optimizers, c.schedulers
         kwargs: dict[str, Any] = {"optimizer": optimizer, "lr_scheduler": scheduler}
         if own:  # DeepSpeed builds its AdamW over the same param groups (no decay on norms)
             groups = [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in optimizer.param_groups]
@@ -62,6 +61,7 @@ class ZeroStrategy(Strategy):
         # fp32 losses equal DDP's bitwise.
         engine, _, _, _ = deepspeed.initialize(model=model, config=self.ds_config, **kwargs)
         self.engine = self.module = engine
+        self.parts, self.opts, self.scheds = [engine.module], [engine.optimizer], [engine.lr_scheduler]
         check_batch(engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps(),
                     engine.dp_world_size, engine.train_batch_size())
         self.accum = cfg.train.grad_accum_steps
@@ -145,30 +145,17 @@ class ZeroStrategy(Strategy):
     def optimizers(self) -> list[tuple[Any, Any]]:
         return [(self.engine.optimizer, self.engine.lr_scheduler)]
 
+    def train_state(self) -> TrainState:
+        """DeepSpeed owns the module, optimizer and schedule: its engine writes and reads them."""
+        ts = super().train_state()
+        ts.engine = self.engine
+        return ts
+
     def loss_scale(self) -> float | None:
         if self.env.precision != "fp16":
             return None
         return float(self.engine.optimizer.cur_scale)
 
-    def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any]) -> list[Path]:
-        # Every rank writes its partitions; the trainer state rides along as DeepSpeed's client state.
-        self.engine.save_checkpoint(str(folder), tag=TAG, client_state=trainer_state)
-        # this rank's partitions (zero_pp_rank_<rank>_mp_rank_00_{optim,model}_states.pt); the rest
-        # (model states, `latest`, zero_to_fp32.py: rank 0's) are hashed by rank 0 as unclaimed
-        return sorted((Path(folder) / TAG).glob(f"zero_pp_rank_{self.env.rank}_*"))
-
-    def read_checkpoint(self, folder: Path) -> dict[str, Any]:
-        written = ckpt.read_meta(folder).get("world_size")
-        if written != self.env.world:
-            raise ValueError(f"train.checkpoint.resume: {folder} was written by {written} ranks, this run has "
-                             f"{self.env.world}; ZeRO partitions resume on the same number of ranks "
-                             "(or consolidate the checkpoint and start from its weights)")
-        path, client_state = self.engine.load_checkpoint(str(folder), tag=TAG, load_optimizer_states=True,
-                                                         load_lr_scheduler_states=True)
-        if path is None:
-            raise ValueError(f"train.checkpoint.resume: {folder} holds no DeepSpeed checkpoint {TAG!r}")
-        return client_state
-
     def close(self) -> None:
         self.engine.destroy()
-        del self.engine, self.module
+        del self.engine, self.module, self.parts, self.opts, self.scheds

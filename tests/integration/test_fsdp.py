@@ -203,12 +203,12 @@ def _found_inf_after_rank0_overflow(strategy, rank: int) -> float:
 
     scaler = dev.grad_scaler(strategy.env.device, "fp16", 1024.0, 2000)
     scaler.scale(torch.ones((), device=strategy.env.device))  # creates the scale tensor
-    for p in strategy.model.parameters():
+    for p in strategy.parts[0].parameters():
         p.grad = torch.zeros_like(p)
     if rank == 0:
-        next(strategy.model.parameters()).grad.to_local()[0] = float("inf")
-    scaler.unscale_(strategy.opt)
-    return float(sum(v.item() for v in scaler._found_inf_per_device(strategy.opt).values()))
+        next(strategy.parts[0].parameters()).grad.to_local()[0] = float("inf")
+    scaler.unscale_(strategy.opts[0])
+    return float(sum(v.item() for v in scaler._found_inf_per_device(strategy.opts[0]).values()))
 
 
 def _check_shards(config: str, out: str) -> None:
@@ -218,10 +218,10 @@ def _check_shards(config: str, out: str) -> None:
 
     from llmpipe import config as config_mod
     from llmpipe import device as dev
+    from llmpipe.device import Env
     from llmpipe.models.llama import model_args
-    from llmpipe.parallel.builder import build_part
+    from llmpipe.parallel.builder import BuildOptions, build_part
     from llmpipe.parallel.fsdp import FSDPStrategy, model_state_bytes
-    from llmpipe.train.loop import Env
     from llmpipe.train.main import _exit
 
     cfg = config_mod.load(config)
@@ -229,17 +229,18 @@ def _check_shards(config: str, out: str) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     env = Env(rank, world, dev.resolve("cpu"), "fp32")
     args = model_args(cfg.model, vocab_size=256)
-    full = {k: v.detach().clone() for k, v in build_part(cfg, env, args).named_parameters()}  # one process's
+    one = build_part(BuildOptions.from_config(cfg), env, args)  # one process's
+    full = {k: v.detach().clone() for k, v in one.named_parameters()}
     strategy = FSDPStrategy(cfg, env, args)  # built sharded on meta: each rank allocates only its shards
-    params = dict(strategy.model.named_parameters())
+    params = dict(strategy.parts[0].named_parameters())
     report = {
         "not_dtensor": [k for k, p in params.items() if not isinstance(p, DTensor)],
         "mismatched": [k for k, p in params.items()
                        if not (torch.equal(p.full_tensor(), full[k])
                                and torch.equal(p.to_local(), full[k].chunk(world)[rank]))],
-        "optimizer_over_sharded_params": {id(p) for g in strategy.opt.param_groups for p in g["params"]}
+        "optimizer_over_sharded_params": {id(p) for g in strategy.opts[0].param_groups for p in g["params"]}
         == {id(p) for p in params.values()},
-        "local_param_bytes": model_state_bytes(strategy.model, strategy.opt)["params"],
+        "local_param_bytes": model_state_bytes(strategy.parts[0], strategy.opts[0])["params"],
         "full_param_bytes": sum(v.numel() * v.element_size() for v in full.values()),
     }
     report["found_inf"] = _found_inf_after_rank0_overflow(strategy, rank)

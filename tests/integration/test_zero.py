@@ -19,12 +19,12 @@ from safetensors.torch import load_file
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.checkpoint.consolidate import consolidate
-from llmpipe.checkpoint.zero import consolidate_zero, deepspeed_dir, load_pt
+from llmpipe.checkpoint.zero import TAG, consolidate_zero, deepspeed_dir, load_pt
 from llmpipe.config import ConfigError, from_dict
-from llmpipe.parallel.zero import TAG, ZeroStrategy, check_batch, deepspeed_config
+from llmpipe.device import Env
+from llmpipe.parallel.zero import ZeroStrategy, check_batch, deepspeed_config
 from llmpipe.stages import run_stage
 from llmpipe.train import metrics
-from llmpipe.train.loop import Env
 from tests.conftest import cached_runs, make_cfg
 from tests.conftest import losses as _losses
 from tests.conftest import torchrun as _torchrun
