@@ -26,11 +26,17 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from llmpipe.errors import UserError
+
 log = logging.getLogger("llmpipe.train")
 
 
-class ReplicaMismatch(RuntimeError):
+class ReplicaMismatch(UserError, RuntimeError):
     """Data-parallel replicas that should hold the same values do not."""
+
+
+class Diverged(UserError, FloatingPointError):
+    """A run gone non-finite (gradients, loss) or whose fp16 loss scale collapsed, per train.debug."""
 
 
 def _local_replicated(t: torch.Tensor) -> torch.Tensor | None:
@@ -83,9 +89,9 @@ def nonfinite(named: list[tuple[str, torch.Tensor | None]]) -> list[str]:
     return out
 
 
-def nonfinite_error(names: list[str], step: int, rank: int) -> FloatingPointError:
+def nonfinite_error(names: list[str], step: int, rank: int) -> Diverged:
     listed = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
-    return FloatingPointError(f"step {step}: non-finite gradients on rank {rank} in {listed} "
+    return Diverged(f"step {step}: non-finite gradients on rank {rank} in {listed} "
                               "(train.debug.nan_guard=stop; 'skip' drops such updates and goes on)")
 
 

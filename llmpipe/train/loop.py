@@ -10,7 +10,7 @@ import json
 import logging
 import math
 import os
-import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,22 +21,42 @@ import torch.distributed as dist
 from llmpipe import debug, mfu
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
-from llmpipe.checkpoint import state as ckpt_state
 from llmpipe.config import RunConfig
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.data.shards import TokenShard
-from llmpipe.device import Env
+from llmpipe.errors import UserError
 from llmpipe.models.llama import model_args
 from llmpipe.optim import peak_lr, stable_until
 from llmpipe.parallel import build_strategy
-from llmpipe.train import profile
+from llmpipe.train import faults, profile
+from llmpipe.train.meter import Meter, compile_seconds
 from llmpipe.train.metrics import MetricsWriter
 
 log = logging.getLogger("llmpipe.train")
 
 
+class TrainError(UserError, ValueError):
+    """A training input the user can fix (seq_len against the shards or the model, the resume folder,
+    an empty validation shard); one line, still a ValueError for the callers that catch one."""
+
+
+@dataclass
+class Env:
+    rank: int
+    world: int
+    device: torch.device
+    precision: str  # fp32 | bf16 | fp16, resolved from train.precision.dtype
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+
 def _env(cfg: RunConfig) -> Env:
-    return dev.env(cfg.run.device, cfg.train.precision.dtype)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    device = dev.resolve(cfg.run.device)
+    return Env(rank, world, device, dev.precision(device, cfg.train.precision.dtype))
 
 
 def _reported_mean(local: torch.Tensor | None, env: Env) -> torch.Tensor:
@@ -81,7 +101,7 @@ def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     mb, T, e = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.train.eval
     n = min(shard.num_samples(T), e.samples or e.batches * mb)
     if n == 0:
-        raise ValueError(f"the validation shard holds no sample of seq_len {T}")
+        raise TrainError(f"the validation shard holds no sample of seq_len {T}")
     indices, real = eval_indices(n, strategy.data_world, strategy.data_rank, mb)
     total = torch.zeros(2, device=env.device, dtype=torch.float64)  # (sum of token losses, tokens)
     for i in range(0, len(indices), mb):
@@ -98,6 +118,10 @@ def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
+def _trainer_state(step: int, consumed: int) -> dict[str, Any]:
+    return {"step": step, "consumed_samples": consumed, "torch_rng": torch.get_rng_state()}
+
+
 def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     r = cfg.train.checkpoint.resume
     if r is False or r in ("false", "never"):
@@ -107,16 +131,25 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     folder = Path(r)
     problem = ckpt.verify(folder)
     if problem:
-        raise ValueError(f"train.checkpoint.resume: {problem}")
+        raise TrainError(f"train.checkpoint.resume: {problem}")
     step = ckpt.read_meta(folder).get("step")
     if isinstance(step, int) and step > cfg.train.max_steps:
-        raise ValueError(f"train.checkpoint.resume: {folder} is at step {step}, past train.max_steps="
+        raise TrainError(f"train.checkpoint.resume: {folder} is at step {step}, past train.max_steps="
                          f"{cfg.train.max_steps}")
     return folder
 
 
 def _restore(folder: Path, strategy, cfg: RunConfig) -> tuple[int, int]:
-    state = ckpt_state.restore(folder, strategy, dist_world())  # own format or resharded, per meta.json
+    meta = ckpt.read_meta(folder)
+    own = meta.get("format") == strategy.format and meta.get("strategy", type(strategy).__name__) == \
+        type(strategy).__name__
+    if own and (strategy.format != "deepspeed" or meta.get("world_size") == dist_world()):
+        state = strategy.read_checkpoint(folder)  # its own layout (DCP reshards another world size)
+    else:  # another layout: full tensors by name, resharded into this one (llmpipe.checkpoint.portable)
+        from llmpipe.checkpoint import portable
+
+        state = portable.load_into(strategy, folder)
+    torch.set_rng_state(state["torch_rng"].cpu())
     retune(strategy, cfg)
     log.info("resumed from %s (step %d)", folder, state["step"])
     return int(state["step"]), int(state["consumed_samples"])
@@ -144,15 +177,6 @@ def retune(strategy, cfg: RunConfig) -> None:
         sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
-def compile_seconds() -> float:
-    """Seconds torch.compile has spent in this process so far, as torch._dynamo records them: tracing
-    and compiling forward graphs (dynamo's compile_inner, which holds inductor's forward compile)
-    plus backward graphs, compiled lazily at the first backward."""
-    from torch._dynamo.utils import compilation_time_metrics as times
-
-    return float(sum(times.get("_compile.compile_inner", [])) + sum(times.get("compile_fx.<locals>.bw_compiler", [])))
-
-
 def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
     """Every rank's checkpoint saver (collective: makes the asynchronous saves' process group)."""
     c = cfg.train.checkpoint
@@ -167,9 +191,11 @@ def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
 
 def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env, writer: MetricsWriter) -> None:
     """Checkpoint `step`; metrics.jsonl gets the seconds the step loop was blocked by it."""
-    meta = ckpt_state.meta(strategy.train_state(), env.world, args, consumed, type(strategy).__name__)
+    meta = {"format": strategy.format, "strategy": type(strategy).__name__, "world_size": env.world,
+            "model": args.to_dict(), "consumed_samples": consumed}
     kw = {"asynchronous": True, "group": saver.group} if saver.asynchronous else {}
-    stall = saver.save(step, lambda f: strategy.write_checkpoint(f, ckpt_state.counters(step, consumed), **kw), meta)
+    stall = saver.save(step, lambda folder: strategy.write_checkpoint(folder, _trainer_state(step, consumed), **kw),
+                       meta)
     writer.step({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": int(saver.asynchronous)})
 
 
@@ -178,18 +204,19 @@ def _build(cfg: RunConfig, env: Env, vocab_size: int):
     one builder, one order, every layout)."""
     args = model_args(cfg.model, vocab_size=vocab_size)
     if cfg.data.seq_len > args.max_seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
+        raise TrainError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
     return build_strategy(cfg, env, args), args
 
 
 def _start_checks(cfg: RunConfig, env: Env, strategy) -> None:
     """train.debug at start: replicas' parameters compared (the NaN guard is the strategies' own)."""
     d = cfg.train.debug
+    faults.install()  # test-only fault injection, armed by its environment variables (llmpipe.debug)
     if not strategy.supports_replica_checks:
         if d.check_init_params or d.check_grad_consistency_every:
             log.warning("train.debug replica checks are not available with data=zero (DeepSpeed partitions); skipped")
         return
-    debug.perturb_params(strategy.named_parameters(), env.rank)  # test-only fault injection
+    faults.after_build(strategy, env.rank)  # test-only: nothing unless installed
     if d.check_init_params:
         n = debug.check_replicas(strategy.named_parameters(), strategy.replica_group(), "initial parameters", 0)
         if env.main:
@@ -213,7 +240,7 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     torch.manual_seed(cfg.run.seed)
     data_meta = json.loads((Path(data_dir) / "data_meta.json").read_text())
     if data_meta["seq_len"] != cfg.data.seq_len:
-        raise ValueError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
+        raise TrainError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
     train_shard, val_shard = TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
     strategy, args = _build(cfg, env, data_meta["vocab_size"])
     _start_checks(cfg, env, strategy)
@@ -245,8 +272,24 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     return summary
 
 
+def nan_policy(rec: dict[str, Any], d) -> None:
+    """train.debug's policy for a step that went non-finite, after it (the part before the update,
+    gradients with a NaN or Inf under nan_guard, is the strategies' Strategy.guard_nonfinite): an fp16
+    loss scale below 1 warns, below loss_scale_stop_below stops; a non-finite loss stops unless
+    nan_guard=skip (which dropped that update)."""
+    scale, step, loss = rec.get("loss_scale"), rec["step"], rec["loss"]
+    if scale is not None and scale < 1.0:
+        log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; consider bf16 or a lower lr", scale)
+    if scale is not None and d.loss_scale_stop_below is not None and scale < d.loss_scale_stop_below:
+        raise debug.Diverged(f"step {step}: fp16 loss scale {scale:g} fell below "
+                             f"train.debug.loss_scale_stop_below={d.loss_scale_stop_below:g}")
+    if not math.isfinite(loss) and d.nan_guard != "skip":
+        raise debug.Diverged(f"loss is {loss} at step {step}")
+
+
 class _Loop:
-    """The step loop, with its state gathered in one place."""
+    """The step loop: `train_step` (the micro-steps and the optimizer step), timed by a Meter, then
+    `after_step` (metrics, log, NaN policy, eval, checkpoint, profiler); their shared state in one place."""
 
     def __init__(self, cfg, env, args, strategy, sampler, train_shard, val_shard, writer):
         self.cfg, self.env, self.args, self.strategy = cfg, env, args, strategy
@@ -261,9 +304,13 @@ class _Loop:
         if env.main:
             log.info("MFU against %s", f"{self.peak.tflops:.4g} TFLOPS per device x {env.world}: {self.peak.source}"
                      if self.peak.tflops else f"nothing (mfu n/a): {self.peak.source}")
+        self.first_step, self.saver, self.meter, self.prof = 0, None, None, None  # set by run()
 
-    def _micro_steps(self, step: int, first_step: int, consumed: int) -> torch.Tensor | None:
+    def train_step(self, step: int, consumed: int) -> dict[str, Any]:
+        """Optimizer step `step + 1`: grad_accum_steps micro-steps (forward + backward), then clip /
+        scale / step; returns its record: loss (mean over the ranks that saw one), lr, gradient norm."""
         t, env, strategy = self.cfg.train, self.env, self.strategy
+        lr = strategy.lr()
         total, seen = torch.zeros((), device=env.device), False
         for micro in range(t.grad_accum_steps):
             with profile.mark(profile.DATA):
@@ -271,33 +318,47 @@ class _Loop:
                               self.cfg.data.seq_len, env.device)
             # Gradient sync is skipped on all but the last micro-step, except where the strategy
             # needs the first step of a process synchronous (DDP static_graph).
-            sync = micro == t.grad_accum_steps - 1 or (strategy.sync_first_step and step == first_step)
+            sync = micro == t.grad_accum_steps - 1 or (strategy.sync_first_step and step == self.first_step)
             with strategy.micro_context(sync), profile.mark(profile.FORWARD_BACKWARD):
                 loss = strategy.forward_backward(x, y)
-            if loss is not None:
+            if loss is not None:  # None on a pipeline stage without the loss
                 total, seen = total + loss, True
-        return total / t.grad_accum_steps if seen else None
-
-    def _optimizer_step(self, done: int) -> float:
-        """Troubleshooting checks around strategy.step(done) for optimizer step `done` (1-based)."""
-        strategy, d, rank = self.strategy, self.cfg.train.debug, self.env.rank
-        debug.hang(done, rank)  # test-only: a rank that stops answering
-        if strategy.supports_replica_checks:
-            grads = [(n, p.grad) for n, p in strategy.named_parameters()]
-            debug.perturb_grads(grads, done, rank)  # test-only fault injections
-            debug.inject_nan(grads, done, rank)
-            if d.check_grad_consistency_every and done % d.check_grad_consistency_every == 0:
-                debug.check_replicas(grads, strategy.replica_group(), "synchronised gradients", done)
+        local = total / t.grad_accum_steps if seen else None
+        faults.before_optimizer_step(strategy, step + 1, env.rank)  # test-only: nothing unless installed
+        self._check_grads(step + 1)
         with profile.mark(profile.OPTIMIZER):
-            norm = strategy.step(done)
-        scale = strategy.loss_scale()
-        if scale is not None and scale < 1.0:
-            log.warning("fp16 loss scale fell to %g (< 1): gradients keep overflowing; "
-                        "consider bf16 or a lower lr", scale)
-        if scale is not None and d.loss_scale_stop_below is not None and scale < d.loss_scale_stop_below:
-            raise FloatingPointError(f"step {done}: fp16 loss scale {scale:g} fell below "
-                                     f"train.debug.loss_scale_stop_below={d.loss_scale_stop_below:g}")
-        return norm
+            grad_norm = strategy.step(step + 1)
+        return {"step": step + 1, "loss": float(_reported_mean(local, env)), "lr": lr, "grad_norm": grad_norm}
+
+    def _check_grads(self, done: int) -> None:
+        """train.debug.check_grad_consistency_every: the replicas' synchronised gradients compared."""
+        every, strategy = self.cfg.train.debug.check_grad_consistency_every, self.strategy
+        if strategy.supports_replica_checks and every and done % every == 0:
+            grads = [(n, p.grad) for n, p in strategy.named_parameters()]
+            debug.check_replicas(grads, strategy.replica_group(), "synchronised gradients", done)
+
+    def after_step(self, rec: dict[str, Any], timing: dict[str, Any], extra: dict[str, Any], consumed: int) -> None:
+        """Between two steps: the metrics record (the step's, its timing and extras), the log line, the
+        NaN policy, eval and checkpoint at their cadences, the profiler's step."""
+        t, done = self.cfg.train, rec["step"]
+        rec.update(timing)
+        scale = self.strategy.loss_scale()
+        if scale is not None:
+            rec["loss_scale"] = scale
+        rec.update(extra)
+        if self.strategy.skipped:
+            rec["skipped"] = True
+        self.writer.step(rec)
+        if self.env.main and (done % t.log_every == 0 or done == t.max_steps or done == self.first_step + 1):
+            log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %s", done, t.max_steps,
+                     rec["loss"], rec["lr"], rec["grad_norm"], rec["tokens_per_s"],
+                     "n/a" if rec["mfu"] is None else f"{100 * rec['mfu']:.2f}%")
+        nan_policy(rec, t.debug)
+        if done % t.eval.every_steps == 0 and done != t.max_steps:
+            self._eval(done)
+        if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
+            _save(self.saver, done, consumed, self.strategy, self.args, self.env, self.writer)
+        self.prof.step()
 
     def _eval(self, step: int) -> float:
         val = evaluate(self.strategy, self.val_shard, self.cfg, self.env)
@@ -308,66 +369,31 @@ class _Loop:
 
     def run(self, start: int, consumed: int, out_dir: Path, save_start: bool = False) -> dict[str, Any]:
         """Train steps start+1 ... max_steps; `save_start`: checkpoint the state at `start` (= max_steps) as is."""
-        t, env = self.cfg.train, self.env
-        saver = _saver(self.cfg, env, self.strategy, out_dir)
+        t = self.cfg.train
+        self.first_step, self.saver = start, _saver(self.cfg, self.env, self.strategy, out_dir)
         val0 = self._eval(start)
-        tok_s_hist: list[float] = []
-        loss = float("nan")
-        t_start = time.perf_counter()
-        prof = profile.StepProfiler(self.cfg, env, out_dir, self.tokens_per_step, self.flops_per_token,
-                                    self.peak_flops, first_step=start)
-        with prof:
+        self.meter = Meter(self.env, self.tokens_per_step, self.flops_per_token, self.peak_flops)
+        rec = {"loss": float("nan")}
+        with profile.StepProfiler(self.cfg, self.env, out_dir, self.tokens_per_step, self.flops_per_token,
+                                  self.peak_flops, first_step=start) as self.prof:
             for step in range(start, t.max_steps):
-                c0 = compile_seconds()
-                t0 = time.perf_counter()
-                lr = self.strategy.lr()
-                local = self._micro_steps(step, start, consumed)
-                grad_norm = self._optimizer_step(step + 1)
-                loss = float(_reported_mean(local, env))
+                self.meter.start()
+                rec = self.train_step(step, consumed)
                 consumed += self.sampler.global_batch
-                dev.synchronize(env.device)
-                dt = time.perf_counter() - t0
-                tok_s = self.tokens_per_step / dt
-                tok_s_hist.append(tok_s)
-                rec = {"step": step + 1, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tok_s,
-                       "mfu": mfu.mfu(tok_s, self.flops_per_token, self.peak_flops), "step_time_s": dt}
-                if self.strategy.loss_scale() is not None:
-                    rec["loss_scale"] = self.strategy.loss_scale()
-                sent = self.strategy.comm_bytes()
-                if sent is not None:
-                    rec["comm_bytes"] = sent
-                compiled = compile_seconds() - c0
-                if compiled > 0:  # graphs compiled during this step (not a training cost per step)
-                    rec["compile_s"] = compiled
-                    if env.main:
-                        log.info("step %d: torch.compile took %.1f s of this step's %.1f s (left out of the "
-                                 "steady tokens/s)", step + 1, compiled, dt)
-                if self.strategy.skipped:
-                    rec["skipped"] = True
-                self.writer.step(rec)
-                done = step + 1
-                if env.main and (done % t.log_every == 0 or done == t.max_steps or step == start):
-                    log.info("step %d/%d  loss %.4f  lr %.2e  grad_norm %.3f  %.0f tok/s  mfu %s",
-                             done, t.max_steps, loss, lr, grad_norm, tok_s,
-                             "n/a" if rec["mfu"] is None else f"{100 * rec['mfu']:.2f}%")
-                if not math.isfinite(loss) and t.debug.nan_guard != "skip":
-                    raise FloatingPointError(f"loss is {loss} at step {done}")
-                if done % t.eval.every_steps == 0 and done != t.max_steps:
-                    self._eval(done)
-                if done % t.checkpoint.every_steps == 0 or done == t.max_steps:
-                    _save(saver, done, consumed, self.strategy, self.args, env, self.writer)
-                prof.step()
+                self.after_step(rec, *self.meter.stop(self.strategy, step + 1), consumed)
             if save_start:  # max_steps 0: the initial (e.g. pretrained) weights; or the resumed final checkpoint
-                _save(saver, start, consumed, self.strategy, self.args, env, self.writer)
-        saver.wait()  # the last asynchronous save
+                _save(self.saver, start, consumed, self.strategy, self.args, self.env, self.writer)
+        self.saver.wait()  # the last asynchronous save
         val = self._eval(t.max_steps) if t.max_steps > start else val0
-        steady = tok_s_hist[1:] or tok_s_hist
-        tok_s = float(np.mean(steady)) if steady else 0.0
+        return self._summary(start, rec["loss"], val0, val)
+
+    def _summary(self, start: int, loss: float, val0: float, val: float) -> dict[str, Any]:
+        t, env, m = self.cfg.train, self.env, self.meter.summary()
         return {"steps": t.max_steps, "resumed_from": start, "final_loss": loss, "val_loss_start": val0,
                 "val_loss": val, "val_ppl": math.exp(min(val, 50)), "world_size": env.world,
                 "global_batch": self.sampler.global_batch, "tokens_per_step": self.tokens_per_step,
-                "tokens_per_s": tok_s, "mfu": mfu.mfu(tok_s, self.flops_per_token, self.peak_flops) if steady else None,
+                "tokens_per_s": m["tokens_per_s"], "mfu": m["mfu"],
                 "peak_tflops": self.peak.tflops, "peak_source": self.peak.source,  # per device
-                "wall_s": time.perf_counter() - t_start, "params": self.args.num_params(),
+                "wall_s": m["wall_s"], "params": self.args.num_params(),
                 "peak_memory_bytes": dev.peak_memory_bytes(env.device),
                 "compile_time_s": compile_seconds() if t.compile else None}

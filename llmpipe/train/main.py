@@ -31,6 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import ErrorHandler, recor
 
 from llmpipe import config as config_mod
 from llmpipe import device as dev
+from llmpipe.errors import UserError
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -137,10 +138,9 @@ _SIGTERM_OUT = None
 
 
 def _user_error(err: BaseException) -> bool:
-    """A mistake the user can fix (config, data, a diverged run): one line, no traceback."""
-    from llmpipe.debug import ReplicaMismatch
-
-    return isinstance(err, (ValueError, config_mod.ConfigError, FloatingPointError, ReplicaMismatch))
+    """A mistake the user can fix (config, data, a diverged run: a llmpipe.errors.UserError): one
+    line, no traceback. Anything else, a ValueError from torch included, is a bug: a traceback."""
+    return isinstance(err, UserError)
 
 
 class _ErrorFile(ErrorHandler):
