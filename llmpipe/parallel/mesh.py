@@ -10,13 +10,15 @@ from dataclasses import dataclass
 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from llmpipe.errors import UserError
 from llmpipe.models.llama.model import ModelArgs
 
 MESH_DIMS = ("pp", "dp", "tp")  # outermost first: tp ranks are adjacent (same node), pp the farthest apart
 
 
-class LayoutError(ValueError):
-    """A parallel layout that cannot run this model at this world size; one line for the user."""
+class LayoutError(UserError, ValueError):
+    """A parallel layout that cannot run this model at this world size; one line for the user (still a
+    ValueError for the callers that catch one)."""
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from llmpipe.config import ConfigError
+from llmpipe.errors import UserError
 from llmpipe.models.llama.flavors import FLAVORS
 from llmpipe.models.llama.model import Transformer
 from llmpipe.models.llama.parallelize import apply_tp
@@ -23,6 +24,11 @@ LLAMA7B = FLAVORS["llama-7b"]
 def test_product_must_equal_world_size():
     with pytest.raises(mesh.LayoutError, match=r"^dp=8 x tp=4 x pp=2 = 64, but world size is 32$"):
         mesh.ParallelDims(dp=8, tp=4, pp=2, world_size=32)
+
+
+def test_a_bad_layout_is_a_user_error_shown_in_one_line():
+    with pytest.raises(UserError, match=r"^dp=2 x tp=2 x pp=2 = 8, but world size is 4$"):
+        mesh.ParallelDims(dp=2, tp=2, pp=2, world_size=4)
 
 
 def test_inferred_dp_must_divide():
