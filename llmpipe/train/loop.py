@@ -10,7 +10,6 @@ import json
 import logging
 import math
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,9 +20,11 @@ import torch.distributed as dist
 from llmpipe import debug, mfu
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
+from llmpipe.checkpoint import state as ckpt_state
 from llmpipe.config import RunConfig
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.data.shards import TokenShard
+from llmpipe.device import Env
 from llmpipe.errors import UserError
 from llmpipe.models.llama import model_args
 from llmpipe.optim import peak_lr, stable_until
@@ -40,23 +41,8 @@ class TrainError(UserError, ValueError):
     an empty validation shard); one line, still a ValueError for the callers that catch one."""
 
 
-@dataclass
-class Env:
-    rank: int
-    world: int
-    device: torch.device
-    precision: str  # fp32 | bf16 | fp16, resolved from train.precision.dtype
-
-    @property
-    def main(self) -> bool:
-        return self.rank == 0
-
-
 def _env(cfg: RunConfig) -> Env:
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    device = dev.resolve(cfg.run.device)
-    return Env(rank, world, device, dev.precision(device, cfg.train.precision.dtype))
+    return dev.env(cfg.run.device, cfg.train.precision.dtype)
 
 
 def _reported_mean(local: torch.Tensor | None, env: Env) -> torch.Tensor:
@@ -118,10 +104,6 @@ def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     return float(total[0] / total[1].clamp(min=1))
 
 
-def _trainer_state(step: int, consumed: int) -> dict[str, Any]:
-    return {"step": step, "consumed_samples": consumed, "torch_rng": torch.get_rng_state()}
-
-
 def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
     r = cfg.train.checkpoint.resume
     if r is False or r in ("false", "never"):
@@ -140,16 +122,7 @@ def _resume_folder(cfg: RunConfig, ckpt_root: Path) -> Path | None:
 
 
 def _restore(folder: Path, strategy, cfg: RunConfig) -> tuple[int, int]:
-    meta = ckpt.read_meta(folder)
-    own = meta.get("format") == strategy.format and meta.get("strategy", type(strategy).__name__) == \
-        type(strategy).__name__
-    if own and (strategy.format != "deepspeed" or meta.get("world_size") == dist_world()):
-        state = strategy.read_checkpoint(folder)  # its own layout (DCP reshards another world size)
-    else:  # another layout: full tensors by name, resharded into this one (llmpipe.checkpoint.portable)
-        from llmpipe.checkpoint import portable
-
-        state = portable.load_into(strategy, folder)
-    torch.set_rng_state(state["torch_rng"].cpu())
+    state = ckpt_state.restore(folder, strategy, dist_world())  # own format or resharded, per meta.json
     retune(strategy, cfg)
     log.info("resumed from %s (step %d)", folder, state["step"])
     return int(state["step"]), int(state["consumed_samples"])
@@ -191,11 +164,9 @@ def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
 
 def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env, writer: MetricsWriter) -> None:
     """Checkpoint `step`; metrics.jsonl gets the seconds the step loop was blocked by it."""
-    meta = {"format": strategy.format, "strategy": type(strategy).__name__, "world_size": env.world,
-            "model": args.to_dict(), "consumed_samples": consumed}
+    meta = ckpt_state.meta(strategy.train_state(), env.world, args, consumed, type(strategy).__name__)
     kw = {"asynchronous": True, "group": saver.group} if saver.asynchronous else {}
-    stall = saver.save(step, lambda folder: strategy.write_checkpoint(folder, _trainer_state(step, consumed), **kw),
-                       meta)
+    stall = saver.save(step, lambda f: strategy.write_checkpoint(f, ckpt_state.counters(step, consumed), **kw), meta)
     writer.step({"step": step, "checkpoint_stall_s": stall, "checkpoint_async": int(saver.asynchronous)})
 
 
