@@ -43,6 +43,8 @@ META = "meta.json"
 MODEL = "model.safetensors"  # the full-format weights file
 OPTIM = "optimizer.pt"  # the full-format optimizer state
 TRAINER = "trainer_state.pt"  # counters, RNG, lr schedule, loss scaler (formats full and dcp; rank 0)
+CONFIG = "config.yaml"  # the resolved run config (llmpipe.config.load reads it)
+TOKENIZER = "tokenizer.json"  # the tokenizer the model was trained with
 _STEP_RE = re.compile(r"^step-(\d{6,})$")
 
 
@@ -93,8 +95,12 @@ class Saver:
     `save(step, write, meta)` at the same steps, then `wait()` before the end."""
 
     def __init__(self, root: Path, rank: int = 0, world: int = 1, keep_last: int | None = None,
-                 asynchronous: bool = False, protect: int | None = None):
+                 asynchronous: bool = False, protect: int | None = None,
+                 describe: dict[str, bytes | Path] | None = None):
         self.root, self.rank, self.world, self.keep_last = Path(root), rank, world, keep_last
+        # files rank 0 adds to every checkpoint folder (name -> content, or a file to copy): the resolved
+        # config and the tokenizer, so a step folder explains itself; hashed and listed like the rest
+        self.describe = describe or {}
         self.protect = protect  # retention keeps the newest checkpoint at or before this step too
         self.asynchronous = asynchronous
         # NOTE: the background thread's collectives (DCP's and the digest gather) run on a group of
@@ -185,6 +191,11 @@ class Saver:
         try:
             if failed:
                 raise CheckpointError(_failure(job, failed))
+            for name, src in self.describe.items():
+                if isinstance(src, bytes):
+                    (job.tmp / name).write_bytes(src)
+                else:
+                    shutil.copyfile(src, job.tmp / name)
             files: dict[str, list] = {}
             for r in reports:
                 files.update(r["files"])

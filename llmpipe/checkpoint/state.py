@@ -69,6 +69,18 @@ def meta(ts: TrainState, world: int, args, consumed: int, strategy_name: str) ->
             "world_size": world, "model": args.to_dict(), "consumed_samples": consumed}
 
 
+def describe(cfg, data_dir: Path | None = None) -> dict[str, bytes | Path]:
+    """What every step folder carries besides the state (io.Saver's `describe`): the resolved config,
+    and the tokenizer when the data folder has one."""
+    import yaml
+
+    out: dict[str, bytes | Path] = {ckpt.CONFIG: yaml.safe_dump(cfg.to_dict(), sort_keys=False).encode()}
+    tokenizer = Path(data_dir) / ckpt.TOKENIZER if data_dir is not None else None
+    if tokenizer is not None and tokenizer.is_file():
+        out[ckpt.TOKENIZER] = tokenizer
+    return out
+
+
 def state_format(meta_json: dict[str, Any]) -> str | None:
     """The state format a checkpoint's meta.json records (older checkpoints: derived from the format
     and the strategy that wrote it); None for a dcp checkpoint too old to say."""

@@ -150,8 +150,9 @@ def retune(strategy, cfg: RunConfig) -> None:
         sched._last_lr = [g["lr"] for g in opt.param_groups]
 
 
-def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
-    """Every rank's checkpoint saver (collective: makes the asynchronous saves' process group)."""
+def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path, data_dir: Path | None = None) -> ckpt.Saver:
+    """Every rank's checkpoint saver (collective: makes the asynchronous saves' process group); each
+    step folder carries the resolved config and data_dir's tokenizer (ckpt_state.describe)."""
     c = cfg.train.checkpoint
     asynchronous = c.async_save and strategy.format == "dcp"
     if c.async_save and not asynchronous and env.main:
@@ -159,7 +160,7 @@ def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path) -> ckpt.Saver:
                  "asynchronous saves need format 'dcp' (data=fsdp, or tp/pp > 1)",
                  strategy.format, cfg.train.parallel.data)
     return ckpt.Saver(out_dir / "checkpoints", env.rank, env.world, c.keep_last, asynchronous,
-                      protect=stable_until(cfg))
+                      protect=stable_until(cfg), describe=ckpt_state.describe(cfg, data_dir))
 
 
 def _save(saver: ckpt.Saver, step: int, consumed: int, strategy, args, env: Env, writer: MetricsWriter) -> None:
@@ -341,7 +342,8 @@ class _Loop:
     def run(self, start: int, consumed: int, out_dir: Path, save_start: bool = False) -> dict[str, Any]:
         """Train steps start+1 ... max_steps; `save_start`: checkpoint the state at `start` (= max_steps) as is."""
         t = self.cfg.train
-        self.first_step, self.saver = start, _saver(self.cfg, self.env, self.strategy, out_dir)
+        self.first_step = start
+        self.saver = _saver(self.cfg, self.env, self.strategy, out_dir, self.train_shard.bin_path.parent)
         val0 = self._eval(start)
         self.meter = Meter(self.env, self.tokens_per_step, self.flops_per_token, self.peak_flops)
         rec = {"loss": float("nan")}

@@ -148,3 +148,17 @@ def test_wsd_holds_the_peak_until_its_decay_and_a_longer_horizon_only_moves_the_
     assert f[-1] == pytest.approx(0.1) and all(a > b for a, b in zip(f[8:], f[9:]))
     short = [lr_factor(s, 2, 8, "wsd", 0.1, 0.25) for s in range(8)]  # decays from step 6
     assert short[:6] == f[:6] and short[6] < 1.0
+
+
+def test_every_checkpoint_folder_carries_the_resolved_config_and_the_tokenizer(tmp_path, data_dir):
+    from llmpipe import config as config_mod
+
+    (data_dir / "tokenizer.json").write_text('{"model": {"type": "BPE"}}\n')
+    cfg = make_cfg(tmp_path, train__max_steps=2, train__checkpoint={"every_steps": 1, "keep_last": 5})
+    train(cfg, data_dir, tmp_path / "out")
+    for step in (1, 2):
+        folder = ckpt.step_dir(tmp_path / "out" / "checkpoints", step)
+        assert ckpt.verify(folder) is None  # listed and hashed with the state
+        assert {"config.yaml", "tokenizer.json"} <= set(ckpt.read_meta(folder)["files"])
+        assert (folder / "tokenizer.json").read_text() == '{"model": {"type": "BPE"}}\n'
+        assert config_mod.load(folder / "config.yaml").to_dict() == cfg.to_dict()
