@@ -11,7 +11,8 @@ names, then loaded into another layout's shards.
 The target strategy loads them with torch.distributed.checkpoint.state_dict's full-state-dict
 setters, which slice each full tensor into the rank's shard (DDP: whole; FSDP2: dim-0 shards; TP:
 DTensor placements; PP: the stage's own names). Trainer state (step, data position, RNG, schedule,
-loss scale) comes from trainer_state.pt (ZeRO: DeepSpeed's client state). Into ZeRO, weights and
+loss scale) is read by llmpipe.checkpoint.state from trainer_state.pt (ZeRO: DeepSpeed's client state,
+returned here). Into ZeRO, weights and
 moments go through DeepSpeed's public tensor-fragment API (ZeroStrategy.load_full).
 """
 
@@ -27,7 +28,7 @@ from safetensors.torch import load_file
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from llmpipe.checkpoint import io as ckpt
-from llmpipe.checkpoint.io import OPTIM, TRAINER
+from llmpipe.checkpoint.io import OPTIM
 
 log = logging.getLogger("llmpipe.checkpoint")
 
@@ -38,7 +39,7 @@ _OPTIM_PREFIX = "optim.state."
 class Portable:
     model: dict[str, torch.Tensor]  # llmpipe name -> full tensor
     optim: dict[str, dict[str, torch.Tensor]]  # llmpipe name -> {exp_avg, exp_avg_sq, step}
-    trainer: dict[str, Any]  # step, consumed_samples, torch_rng, scheduler, scaler
+    trainer: dict[str, Any] | None  # ZeRO's client state; None: trainer_state.pt (llmpipe.checkpoint.state)
 
 
 def read(folder: Path) -> Portable:
@@ -52,10 +53,9 @@ def read(folder: Path) -> Portable:
         return Portable(*read_full_state(folder))
     if fmt not in ("full", "dcp"):
         raise ValueError(f"train.checkpoint.resume: {folder} has an unknown format {fmt!r}")
-    trainer = torch.load(folder / TRAINER, map_location="cpu", weights_only=True)
     if fmt == "full":
-        return Portable(*_read_full(folder, meta), trainer)
-    return Portable(*_read_dcp(folder), trainer)
+        return Portable(*_read_full(folder, meta), None)
+    return Portable(*_read_dcp(folder), None)
 
 
 def read_model(folder: Path) -> dict[str, torch.Tensor]:

@@ -169,9 +169,14 @@ def _dcp_state(ts: TrainState) -> dict[str, Any]:
 
 def read_trainer(folder: Path, ts: TrainState) -> dict[str, Any]:
     """trainer_state.pt: the lr schedules and loss scaler restored; returns the whole record."""
-    trainer = torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)
+    trainer = load_trainer(folder)
     restore_schedules(ts, trainer)
     return trainer
+
+
+def load_trainer(folder: Path) -> dict[str, Any]:
+    """trainer_state.pt as written (formats full and dcp), without running code from it."""
+    return torch.load(Path(folder) / TRAINER, map_location="cpu", weights_only=True)
 
 
 def restore_schedules(ts: TrainState, trainer: dict[str, Any]) -> None:
@@ -262,7 +267,8 @@ def _load_resharded(strategy, folder: Path) -> dict[str, Any]:
     t0 = time.perf_counter()
     state = portable.read(folder)
     strategy.load_full(state.model, state.optim)
-    restore_schedules(strategy.train_state(), state.trainer)
+    trainer = state.trainer if state.trainer is not None else load_trainer(folder)  # ZeRO's: its client state
+    restore_schedules(strategy.train_state(), trainer)
     log.info("resumed %s into a %s layout: %d tensors, %d optimizer states resharded in %.2fs", folder,
              type(strategy).__name__, len(state.model), len(state.optim), time.perf_counter() - t0)
-    return state.trainer
+    return trainer
