@@ -43,8 +43,9 @@ def save_state(state: dict, folder: Path, rank: int, asynchronous: bool = False,
     return Written(claims, pending)
 
 
-class _Reader(SafeReader):
-    """A SafeReader (restricted unpickler) that reads .metadata once, not once per tensor loaded."""
+class MetadataOnceReader(SafeReader):
+    """A SafeReader (restricted unpickler) that reads .metadata once, not once per tensor loaded; every
+    reader of a DCP folder tensor by tensor (consolidate, the resharding resume) uses it."""
 
     def __init__(self, path: Path):
         super().__init__(str(path))
@@ -86,7 +87,7 @@ def consolidate_dcp(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lam
     """Stream checkpoint/dcp's model tensors into out_dir/filename (names mapped by `rename`), cast
     to `dtype_name`. Same signature and result as consolidate.consolidate for format "full"."""
     dtype = dev.dtype(dtype_name)
-    reader = _Reader(Path(checkpoint) / DCP_DIR)
+    reader = MetadataOnceReader(Path(checkpoint) / DCP_DIR)
     tensors = model_tensors(reader)
     specs = [(rename(n), tuple(m.size), dtype) for n, m in tensors.items()]
     lookup = {new: old for new, old in zip((s[0] for s in specs), tensors)}

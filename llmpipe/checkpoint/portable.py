@@ -86,9 +86,9 @@ def _read_full(folder: Path, meta: dict) -> tuple[dict, dict]:
 
 
 def _read_dcp(folder: Path, optim: bool = True) -> tuple[dict, dict]:
-    from llmpipe.checkpoint.dcp import DCP_DIR, MODEL_PREFIX, _Reader, load_key
+    from llmpipe.checkpoint.dcp import DCP_DIR, MODEL_PREFIX, MetadataOnceReader, load_key
 
-    reader = _Reader(folder / DCP_DIR)
+    reader = MetadataOnceReader(folder / DCP_DIR)
     model: dict[str, torch.Tensor] = {}
     moments: dict[str, dict[str, torch.Tensor]] = {}
     for key, entry in sorted(reader.read_metadata().state_dict_metadata.items()):

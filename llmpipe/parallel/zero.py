@@ -24,7 +24,7 @@ import torch.distributed as dist
 from llmpipe.checkpoint.state import TrainState
 from llmpipe.parallel.base import Strategy
 from llmpipe.parallel.compose import compose
-from llmpipe.parallel.zero_config import TAG, check_batch, deepspeed_config, ds_optimizer_built, use_ds_optimizer  # noqa: F401
+from llmpipe.parallel.zero_config import check_batch, deepspeed_config, ds_optimizer_built, use_ds_optimizer  # noqa: F401
 
 
 class ZeroStrategy(Strategy):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from llmpipe.checkpoint.zero import TAG  # noqa: F401  (the checkpoint package names DeepSpeed's tag folder)
 from llmpipe.optim import peak_lr
 
 _NEVER = 1 << 62  # steps_per_print: llmpipe logs progress itself

@@ -190,8 +190,6 @@ BACK_ARROWS = {
     # config.from_dict runs its checks lazily; config_checks imports no config (no circle)
     ("llmpipe.config", "llmpipe.config_checks"),
 }
-# NOTE: goes with issue 23 item 1, which moves TAG (DeepSpeed's tag folder) under checkpoint/.
-BACK_PENDING = {("llmpipe.checkpoint.zero", "llmpipe.parallel.zero_config")}
 
 
 def _room(module: str) -> str:
@@ -211,13 +209,8 @@ def test_every_room_has_a_layer():
 
 def test_at_most_three_imports_run_back_up():
     back = {(m, t) for m, targets in _edges().items() for t in targets if _layer(t) > _layer(m)}
-    assert back - BACK_PENDING == BACK_ARROWS
-    assert len(BACK_ARROWS | BACK_PENDING) <= 3
-
-
-# NOTE: checkpoint/ is being rewritten for issue 23 item 1 (one module writes and reads the training
-# state); its one private import goes with that change. Nothing may join it.
-PRIVATE_PENDING = {"llmpipe.checkpoint.portable: llmpipe.checkpoint.dcp._Reader"}
+    assert back == BACK_ARROWS
+    assert len(BACK_ARROWS) <= 3
 
 
 def test_no_module_imports_a_private_name_of_another():
@@ -226,7 +219,7 @@ def test_no_module_imports_a_private_name_of_another():
         for module, names in _statements(path):
             if module.startswith("llmpipe") and module != m:
                 offenders |= {f"{m}: {module}.{n}" for n in names if n.startswith("_") and not n.startswith("__")}
-    assert offenders - PRIVATE_PENDING == set()
+    assert offenders == set()
 
 
 STAGE_DOC = re.compile(r'^"""The (?P<name>\w+) stage:')
