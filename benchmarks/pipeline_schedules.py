@@ -3,7 +3,7 @@
     python benchmarks/pipeline_schedules.py [--dim 256 --layers 4 --seq 128 --batch 8 --steps 8]
 
 For each (schedule, micro-batches) a 2-rank gloo job (torchrun, this file as the worker) builds
-llmpipe's ModelParallelStrategy (pp=2, data=ddp at dp=1, fp32) and times, after warm-up:
+llmpipe's MeshStrategy (pp=2, data=ddp at dp=1, fp32) and times, after warm-up:
 
     step        `forward_backward` of one micro-batch of `--batch` samples: the whole schedule, split
                 into `microbatches` pipeline micro-batches, sends and receives included (median).
@@ -75,14 +75,14 @@ def worker(config: str, out: str, steps: int) -> None:
     from llmpipe import config as config_mod
     from llmpipe.device import Env
     from llmpipe.models.llama import model_args
-    from llmpipe.parallel.model_parallel import ModelParallelStrategy
+    from llmpipe.parallel.model_parallel import MeshStrategy
     from llmpipe.train.main import _exit
 
     cfg = config_mod.load(config)
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     env = Env(dist.get_rank(), dist.get_world_size(), torch.device("cpu"), "fp32")
-    strategy = ModelParallelStrategy(cfg, env, model_args(cfg.model, vocab_size=VOCAB))
+    strategy = MeshStrategy(cfg, env, model_args(cfg.model, vocab_size=VOCAB))
     gen = torch.Generator().manual_seed(0)
     t = cfg.train
     x = torch.randint(0, VOCAB, (t.micro_batch_size, cfg.data.seq_len + 1), generator=gen)

@@ -5,7 +5,7 @@ DDP, ZeRO-1/2/3, FSDP2, tp=2 and pp=2 on the same small model (fp32).
 
 Each strategy trains `--steps` steps (micro-batch 2, accumulation 2, pipeline micro-batches of 1) under
 torchrun with this file as the worker, through llmpipe's own builders (build_strategy, or
-ModelParallelStrategy for tp/pp). Measured, on each rank:
+MeshStrategy for tp/pp). Measured, on each rank:
 
     states   model-state bytes counted as benchmarks/memory_per_rank.py counts them (distinct storages of
              params, grads, master, optimizer state; its `count_states`), the largest sample over the
@@ -105,9 +105,9 @@ def _build(cfg, env):
 
     vocab = cfg.data.tokenizer.vocab_size
     if cfg.train.parallel.tp > 1 or cfg.train.parallel.pp > 1:
-        from llmpipe.parallel.model_parallel import ModelParallelStrategy
+        from llmpipe.parallel.model_parallel import MeshStrategy
 
-        strategy = ModelParallelStrategy(cfg, env, model_args(cfg.model, vocab_size=vocab))
+        strategy = MeshStrategy(cfg, env, model_args(cfg.model, vocab_size=vocab))
         return strategy, list(zip(strategy.parts, strategy.opts)), (None if strategy.schedule else strategy.parts[0])
     strategy = build_strategy(cfg, env, model_args(cfg.model, vocab_size=vocab))
     return strategy, [(strategy.module, _torch_optimizer(strategy))], strategy.module

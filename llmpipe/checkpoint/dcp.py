@@ -22,7 +22,7 @@ from llmpipe.checkpoint.trust import SafeReader
 from llmpipe.models.llama import io as model_io
 
 DCP_DIR = "dcp"  # the subfolder of a checkpoint folder (format "dcp") holding the DCP files
-MODEL_PREFIX = "model."  # FSDPStrategy saves {"model": ..., "optim": ...}; DCP flattens keys with "."
+MODEL_PREFIX = "model."  # checkpoint.state saves {"model": ..., "optim": ...}; DCP flattens keys with "."
 
 
 def save_state(state: dict, folder: Path, rank: int, asynchronous: bool = False, group=None) -> Written:

@@ -4,8 +4,9 @@ A strategy owns one layout: how its model (built by llmpipe.parallel.builder), g
 optimizer (llmpipe.optim) are held, synchronised and stepped. Every strategy gets its `parts` (a list,
 also without pipeline parallel), optimizers, schedules and scaler from one composer
 (llmpipe.parallel.compose) and exposes them for checkpoints as a `TrainState`; llmpipe.checkpoint.state
-writes and reads it. Strategies: DDPStrategy (torch DDP), FSDPStrategy (FSDP2), ZeroStrategy
-(DeepSpeed ZeRO 1/2/3), ModelParallelStrategy (dp x tp x pp). Each is made by
+writes and reads it. Strategies: MeshStrategy (dp x tp x pp with FSDP2 or `replicate` on dp; size-1
+dimensions are no-ops, so FSDP2 alone is one), DDPStrategy (torch DDP and its knobs: buckets,
+static_graph, comm hooks), ZeroStrategy (DeepSpeed ZeRO 1/2/3, which must own the module). Each is made by
 `llmpipe.parallel.build_strategy(cfg, env, args)` and reads its settings from the config itself; the
 loop writes nothing into it. What the loop uses:
 
@@ -204,7 +205,7 @@ def clean_name(name: str) -> str:
 
 
 class TorchOptimizerStrategy(Strategy):
-    """Shared by strategies that drive torch optimizers themselves (DDP, FSDP2, dp x tp x pp): loss
+    """Shared by strategies that drive torch optimizers themselves (DDP, the mesh strategy): loss
     scaling for fp16, accumulation by dividing the loss, clip -> step -> schedule over every part.
     Subclasses set `parts`, `opts`, `scheds`, `scaler` (from compose), `accum`, `max_grad_norm`, and
     may override `grad_norm` and `clip` (DTensor gradients, pipeline stages)."""

@@ -221,7 +221,7 @@ def _check_shards(config: str, out: str) -> None:
     from llmpipe.device import Env
     from llmpipe.models.llama import model_args
     from llmpipe.parallel.builder import BuildOptions, build_part
-    from llmpipe.parallel.fsdp import FSDPStrategy, model_state_bytes
+    from llmpipe.parallel.model_parallel import MeshStrategy, model_state_bytes
     from llmpipe.train.main import _exit
 
     cfg = config_mod.load(config)
@@ -231,7 +231,7 @@ def _check_shards(config: str, out: str) -> None:
     args = model_args(cfg.model, vocab_size=256)
     one = build_part(BuildOptions.from_config(cfg), env, args)  # one process's
     full = {k: v.detach().clone() for k, v in one.named_parameters()}
-    strategy = FSDPStrategy(cfg, env, args)  # built sharded on meta: each rank allocates only its shards
+    strategy = MeshStrategy(cfg, env, args)  # data=fsdp, tp=pp=1: each rank allocates only its shards
     params = dict(strategy.parts[0].named_parameters())
     report = {
         "not_dtensor": [k for k, p in params.items() if not isinstance(p, DTensor)],
