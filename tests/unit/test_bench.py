@@ -74,7 +74,6 @@ def _inputs(root: Path) -> dict[str, tuple[Path, Manifest]]:
     """Published-looking prepare_data (tokenizer, validation shard) / train (one "full" checkpoint of
     the model) / consolidate / export_onnx (prefill + static decoder) / convert_om (skipped) under root."""
     from llmpipe.checkpoint import io as ckpt
-    from llmpipe.checkpoint import portable
     from llmpipe.data.shards import write_shard
     from llmpipe.data.tokenizer import train_tokenizer
     from llmpipe.export.onnx import export_static_decoder
@@ -94,9 +93,9 @@ def _inputs(root: Path) -> dict[str, tuple[Path, Manifest]]:
 
     def write(folder: Path) -> list[Path]:
         save_file(model.state_dict(), str(folder / ckpt.MODEL))
-        torch.save({}, folder / portable.OPTIM)
-        torch.save({"step": 1}, folder / portable.TRAINER)
-        return [folder / ckpt.MODEL, folder / portable.OPTIM, folder / portable.TRAINER]
+        torch.save({}, folder / ckpt.OPTIM)
+        torch.save({"step": 1}, folder / ckpt.TRAINER)
+        return [folder / ckpt.MODEL, folder / ckpt.OPTIM, folder / ckpt.TRAINER]
 
     ckpt.save(train / "checkpoints", 1, write, {"format": "full", "model": model.args.to_dict()})
     export_prefill(model, exported / "model.onnx", opset=17)

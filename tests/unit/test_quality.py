@@ -26,7 +26,6 @@ from llmpipe.bench.quality import (
     val_sample,
 )
 from llmpipe.checkpoint import io as ckpt
-from llmpipe.checkpoint import portable
 from llmpipe.config import QualitySection
 from llmpipe.data.shards import write_shard
 from llmpipe.models.llama import FLAVORS, Transformer
@@ -209,9 +208,9 @@ def _save_full(root: Path, step: int, seed: int) -> Transformer:
 
     def write(folder: Path) -> list[Path]:
         save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(folder / ckpt.MODEL))
-        torch.save(opt.state_dict(), folder / portable.OPTIM)
-        torch.save({"step": step, "consumed_samples": 0, "scheduler": {}}, folder / portable.TRAINER)
-        return [folder / ckpt.MODEL, folder / portable.OPTIM, folder / portable.TRAINER]
+        torch.save(opt.state_dict(), folder / ckpt.OPTIM)
+        torch.save({"step": step, "consumed_samples": 0, "scheduler": {}}, folder / ckpt.TRAINER)
+        return [folder / ckpt.MODEL, folder / ckpt.OPTIM, folder / ckpt.TRAINER]
 
     ckpt.save(root / "checkpoints", step, write, {"format": "full", "model": ARGS.to_dict()})
     return model
