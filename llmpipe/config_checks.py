@@ -110,11 +110,12 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.export.static_decoder and cache is not None and cache > args.max_seq_len:
         raise ConfigError(f"export.kv_cache_len={cache} exceeds the model's max_seq_len={args.max_seq_len}")
     if cfg.model.init_from:  # Mistral's sliding window equals full attention only within the window
-        from llmpipe.models.llama import hf
+        from llmpipe.models.llama import hf, hf_files
 
         try:
             window = hf.read_config(cfg.model.init_from, cfg.model.max_seq_len)[1]["sliding_window"]
             hf.pretrained(cfg.model, args)  # every weight present, shaped as config.json says (headers only)
+            hf_files.read_carried(cfg.model.init_from, args.vocab_size)  # what consolidate's hf/ carries over
         except hf.HFFolderError as err:
             raise ConfigError(f"model.init_from: {err}") from None
         if window is not None and cfg.data.seq_len > window:
