@@ -29,7 +29,7 @@ from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.checkpoint.dcp import consolidate_dcp
 from llmpipe.checkpoint.stream import write_streaming
-from llmpipe.checkpoint.template_digest import METRIC, TEMPLATE_FILE, digest, mismatch, read_template
+from llmpipe.checkpoint.template_digest import METRIC, RENDER, TEMPLATE_FILE, digest, mismatch, read_template
 from llmpipe.checkpoint.zero import consolidate_zero
 from llmpipe.manifest import sha256_file
 from llmpipe.models.llama import hf
@@ -76,19 +76,21 @@ def run(ctx: StageContext) -> StageResult:
     shutil.copyfile(tokenizer, out / model_io.TOKENIZER)
     outputs = {"model": model_io.WEIGHTS, "model_config": model_io.CONFIG, "tokenizer": model_io.TOKENIZER}
     template = training_template(ctx)
+    data_meta = json.loads(ctx.input_path("prepare_data", "meta").read_text())
+    eos_token = data_meta.get("eos_token") or ctx.cfg.data.tokenizer.eos_token
     metrics = {**stats, "step": meta["step"], "dtype": cfg.dtype}
     if template is not None:
         (out / TEMPLATE_FILE).write_text(template, encoding="utf-8")
         outputs["chat_template"] = TEMPLATE_FILE
+        chat = data_meta.get("chat") or {}  # what training rendered the conversations with
         metrics[METRIC] = digest(template)
+        metrics[RENDER] = {"bos_token": chat.get("bos_token", ""), "eos_token": chat.get("eos_token", eos_token)}
     if cfg.hf_layout:
         (out / "hf").mkdir()
         consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name)
-        data_meta = json.loads(ctx.input_path("prepare_data", "meta").read_text())
         (out / "hf" / "config.json").write_text(
             json.dumps(hf.hf_config(args, cfg.dtype, data_meta.get("eos_id")), indent=2) + "\n")
         shutil.copyfile(tokenizer, out / "hf" / model_io.TOKENIZER)
-        eos_token = data_meta.get("eos_token") or ctx.cfg.data.tokenizer.eos_token
         write_hf_files(out / "hf", folder_files(tokenizer, eos_token, args, template, ctx.cfg.model.init_from))
         outputs["hf"] = "hf"
     log.info("consolidated step %d (%d tensors, %.2fM params) -> %s", meta["step"], stats["tensors"],

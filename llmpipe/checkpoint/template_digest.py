@@ -21,13 +21,14 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from llmpipe.chat.template import MAX_TEMPLATE_BYTES
 from llmpipe.errors import UserError
 from llmpipe.manifest import Manifest
 from llmpipe.models.llama.hf_files import TOKENIZER_CONFIG, read_json
 
 TEMPLATE_FILE = "chat_template.jinja"
 METRIC = "chat_template_sha256"
-MAX_TEMPLATE_BYTES = 64 << 10  # as llmpipe.chat.template: a real template is a few KiB
+RENDER = "chat_render"  # consolidate's metric: the bos_token / eos_token training rendered conversations with
 
 
 class TemplateDigestError(UserError):
@@ -35,7 +36,8 @@ class TemplateDigestError(UserError):
 
 
 def digest(source: str | None) -> str | None:
-    """sha256 of a template's source as prepare_data records it (UTF-8), None for no template."""
+    """sha256 of a template's source as prepare_data records it (llmpipe.chat.template.ChatTemplate.sha256),
+    None for no template."""
     return None if source is None else hashlib.sha256(source.encode("utf-8", "surrogatepass")).hexdigest()
 
 
@@ -96,15 +98,19 @@ def check_folder(folder: Path, training: str | None) -> str | None:
 
 
 def training_digest(run_dir: Path, recorded: str | None, recorded_in: Path) -> str | None:
-    """Training's template digest: prepare_data's (its manifest's metric) when its folder is there,
-    which the digest a later stage recorded (`recorded`, from the manifest `recorded_in`) must equal;
-    else the recorded one."""
+    """Training's template digest: prepare_data's (its manifest's metric, which its chat_template.jinja
+    must hash to) when its folder is there, which the digest a later stage recorded (`recorded`, from the
+    manifest `recorded_in`) must equal; else the recorded one."""
     from llmpipe.stages import stage_dir
 
-    data = Manifest.read(stage_dir(run_dir, "prepare_data"))
+    folder = stage_dir(run_dir, "prepare_data")
+    data = Manifest.read(folder)
     if data is None:
         return recorded
     want = data.metrics.get(METRIC)
+    source = read_template(folder / TEMPLATE_FILE) if (folder / TEMPLATE_FILE).is_file() else None
+    if digest(source) != want:
+        raise mismatch(folder / TEMPLATE_FILE, digest(source), want)
     if recorded != want:
         raise mismatch(recorded_in, recorded, want)
     return want
