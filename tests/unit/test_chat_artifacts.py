@@ -298,3 +298,20 @@ def test_consolidate_s_stage_error_names_init_from_when_its_token_is_not_the_tok
     with pytest.raises(StageError, match=r"^consolidate: model.init_from: (.+)/init/tokenizer_config.json: "
                                          r"eos_token: '<\|eot_id\|>' is not a token of the run's tokenizer$"):
         consolidate.folder_files(tok, EOS, args, CHATML, str(init))
+
+
+def test_the_benchmark_s_sample_of_a_chat_run_is_the_answer_to_its_prompt_asked_in_the_template(chat_run):
+    from llmpipe.bench import llm
+    from llmpipe.bench.run import chat_sample
+    from llmpipe.infer.decode import TorchEngine
+    from llmpipe.tools import report
+
+    folder = stage_dir(chat_run, "consolidate")
+    cfg = make_cfg(chat_run, benchmark={"llm": {"sample_prompt": "What is 2 + 3?", "sample_tokens": 12}})
+    ctx = StageContext(cfg, "benchmark", chat_run, chat_run, {"consolidate": (folder, Manifest.read(folder))}, "fp")
+    sample = chat_sample(ctx, _tokenizer(chat_run))
+    assert sample[0] == "<|im_start|>user\nWhat is 2 + 3?<|im_end|>\n<|im_start|>assistant\n"
+    got = llm.sample_text(TorchEngine(model_io.load_model(folder)), _tokenizer(chat_run), *sample)
+    assert (got["text"], len(got["tokens"]), got["chat"]) == ("Hi", 3, True)
+    html = report._llm_section({"samples": {"cpu/torch": got}, "prefill": [], "decode": []}, "06_benchmark")
+    assert "cpu/torch (chat: the conversation as the template renders it, then the answer)" in html
