@@ -333,7 +333,8 @@ def _totals(metas: list[dict], first=None) -> tuple[dict[str, int], dict]:
 
 def _check_corpus(counts: dict[str, int], errors: dict, n_files: int) -> None:
     if counts.get("documents", 0) == 0:
-        examples = "; ".join(f"{e['path']}: {e['reason']}" for e in errors.get("examples", [])[:3]) or "no documents"
+        examples = "; ".join(f"{e['path']}{' ' + e['where'] if e['kind'] == 'bad_record' else ''}: {e['reason']}"
+                             for e in errors.get("examples", [])[:3]) or "no documents"
         raise DataError(f"data.inputs: no usable documents in {n_files} input(s) (e.g. {examples})")
     if errors.get("total"):
         first = errors["examples"][0]
