@@ -67,11 +67,19 @@ def test_prepare_data_writes_labels_beside_the_shards_and_the_template_with_its_
 
 
 @pytest.mark.slow
-def test_a_chat_run_trains_through_the_train_stage(chat_run, capsys):
+def test_a_chat_run_trains_through_the_train_stage_and_two_ranks_take_one_ranks_steps(chat_run):
+    """Under DDP each rank's micro-batch holds its own number of targets; the step's loss is still the mean
+    over all of them (scaled by the step's count, then averaged by DDP): the 1-rank run's losses (fp32)."""
+    out = chat_run.parent / "artifacts" / "chat" / "02_train"
     assert cli.main(["stage", "train", str(chat_run)]) == 0
-    summary = json.loads((chat_run.parent / "artifacts" / "chat" / "02_train" / "summary.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
     assert summary["steps"] == 3 and np.isfinite(summary["val_loss"]) and summary["val_loss"] < summary[
         "val_loss_start"]
+    one_rank = _losses(out)
+    assert cli.main(["stage", "train", str(chat_run), "--force", "--set", "train.nproc_per_node=2", "--set",
+                     "train.micro_batch_size=2", "--set", "train.checkpoint.resume=false"]) == 0
+    assert json.loads((out / "summary.json").read_text())["world_size"] == 2
+    torch.testing.assert_close(_losses(out), one_rank, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("packing", [True, False])

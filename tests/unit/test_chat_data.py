@@ -85,6 +85,20 @@ def test_parquet_conversations_are_read_from_a_messages_column_or_alpaca_columns
                                                             "and 'output' (columns: text)")
 
 
+def test_compressed_jsonl_and_datasets_folders_hold_conversations_too(tmp_path):
+    import gzip
+
+    datasets = pytest.importorskip("datasets")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt") as f:
+        f.write(json.dumps({"messages": [U, A]}) + "\n" + json.dumps({"messages": [A]}) + "\n")
+    convs, log = _read(tmp_path / "c.jsonl.gz", "jsonl.gz")
+    assert convs == [[U, A]] and log["examples"][0]["where"] == "line 2"
+    datasets.Dataset.from_dict({"messages": [[S, U, A], [U, U]]}).save_to_disk(str(tmp_path / "ds"))
+    convs, log = _read(tmp_path / "ds", "datasets")
+    assert convs == [[S, U, A]] and log["counts"] == {"bad_record": 1}
+    assert log["examples"][0]["where"].endswith(" row 1")
+
+
 @pytest.fixture(scope="module")
 def byte_tokenizer():
     """Every byte one token, the template's markers special tokens: token boundaries are characters."""
