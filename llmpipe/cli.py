@@ -134,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
     rep.add_argument("--artifacts-dir", default="artifacts")
+
+    synth = sub.add_parser("synth-chat", help="write the demo's conversation set (arithmetic and short facts, "
+                           "split by question) as OUT/train.jsonl and OUT/val.jsonl (held-out questions)")
+    synth.add_argument("out")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--arithmetic", type=int, default=2000, help="distinct arithmetic questions")
+    synth.add_argument("--val-fraction", type=float, default=0.1, help="share of questions held out")
     return p
 
 
@@ -370,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "synth-chat":
+            from llmpipe.chat import synth
+
+            counts = synth.write(args.out, args.seed, args.arithmetic, args.val_fraction)
+            print(f"{args.out}: train.jsonl {counts['train']} conversations, val.jsonl {counts['val']} (held out)")
+            return 0
         from llmpipe.tools import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")

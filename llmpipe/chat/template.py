@@ -247,4 +247,7 @@ def resolve_template(init_from: str | None, setting: str | None) -> ChatTemplate
         return None
     if setting in BUILTIN_TEMPLATES:
         return builtin_template(setting)
+    if not Path(setting).exists() and "/" not in setting and not setting.endswith(".jinja"):
+        raise TemplateError(f"no built-in chat template {setting!r} (built-in: {', '.join(BUILTIN_NAMES)}) "
+                            "and no such file")
     return template_from_file(setting)

@@ -58,7 +58,8 @@ def test_builtin_templates_know_their_end_of_turn_and_digest():
 
 def test_a_template_whose_turn_ends_with_nothing_but_eos_has_no_end_of_turn_string():
     tpl = load_template("{% for m in messages %}{{ m.role }}: {{ m.content }}{% if m.role == 'assistant' %}"
-                        "{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}",
+                        "{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+                        "{% if add_generation_prompt %}assistant: {% endif %}",
                         "plain.jinja")
     assert tpl.end_of_turn == []
     assert tpl.render(CONVERSATIONS[0], eos_token="</s>") == "user: What is 17 + 25?\nassistant: 42.</s>\n"
