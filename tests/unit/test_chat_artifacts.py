@@ -1,9 +1,8 @@
 """Issue 24 items 2 (the template's digest from training to every artifact), 6 (a chat run's hf/ folder) and 7
-(`llmpipe generate --chat`), on one small chat run: prepare_data's folder as a chat run's (a tokenizer whose
-template markers are special tokens, chatml's chat_template.jinja, its digest in the manifest), a real
-1-step training, the real consolidate and export_onnx stage functions. Then the consolidated weights are set
-to a bigram model whose greedy answer to any question is "Hi" and the end-of-turn token, so generation's
-stopping is exact (the tiny model's trained text is noise)."""
+(`llmpipe generate --chat`), on one small chat run: the prepare_data stage on the demo's conversation set
+(chatml), a real 1-step training, the real consolidate and export_onnx stage functions. Then the
+consolidated weights are set to a bigram model whose greedy answer to any question is "Hi" and the
+end-of-turn token, so generation's stopping is exact (the tiny model's trained text is noise)."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from llmpipe.chat import synth
 from llmpipe.chat.template import BUILTIN_TEMPLATES, load_template
 from llmpipe.checkpoint import consolidate
 from llmpipe.checkpoint.template_digest import TemplateDigestError, digest
@@ -27,7 +27,7 @@ from llmpipe.models.llama import io as model_io
 from llmpipe.stages import StageContext, StageError, stage_dir
 from llmpipe.tools.generate import ChatStreamer, run_generate
 from llmpipe.train.loop import train
-from tests.conftest import make_cfg, make_data_dir
+from tests.conftest import make_cfg
 
 CHATML = BUILTIN_TEMPLATES["chatml"]
 SHA = digest(CHATML)
@@ -53,20 +53,14 @@ def _republish(folder: Path) -> None:
     m.write(folder)
 
 
-def _prepare(run: Path) -> tuple[Path, object]:
-    folder = stage_dir(run, "prepare_data")
-    tok = train_tokenizer(["<|im_start|>user\nHi there, how are you?<|im_end|>\n"] * 20, 280)
-    tok.add_special_tokens(["<|im_start|>", "<|im_end|>"])  # as prepare_data makes a chat run's markers
-    make_data_dir(folder, vocab=tok.get_vocab_size())
-    tok.save(str(folder / "tokenizer.json"))
-    meta = json.loads((folder / "data_meta.json").read_text())
-    meta.update(eos_token=EOS, chat={"bos_token": "", "eos_token": EOS, "end_of_turn": ["<|im_end|>"]})
-    (folder / "data_meta.json").write_text(json.dumps(meta))
-    (folder / "chat_template.jinja").write_text(CHATML)
-    _publish(folder, "prepare_data", {"tokenizer": "tokenizer.json", "meta": "data_meta.json",
-                                      "train_bin": "train.bin", "val_bin": "val.bin",
-                                      "chat_template": "chat_template.jinja"}, {"chat_template_sha256": SHA})
-    return folder, tok
+def _prepare(cfg) -> tuple[Path, object]:
+    """The real prepare_data stage on the demo's conversation set (chatml)."""
+    from llmpipe.data.tokenizer import load_tokenizer
+    from llmpipe.stages import run_stage
+
+    run_stage("prepare_data", cfg)
+    folder = stage_dir(cfg.run_dir(), "prepare_data")
+    return folder, load_tokenizer(folder / "tokenizer.json")
 
 
 def _bigram(folder: Path, tok) -> None:
@@ -89,10 +83,13 @@ def _bigram(folder: Path, tok) -> None:
 @pytest.fixture(scope="module")
 def chat_run(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("chat")
+    synth.write(root / "set", seed=1, n_arithmetic=100)
     cfg = make_cfg(root, train__max_steps=1, train__checkpoint={"every_steps": 1},
+                   data={"inputs": [str(root / "set" / "train.jsonl")], "format": "chat", "chat_template": "chatml",
+                         "seq_len": 64, "tokenizer": {"vocab_size": 300}, "workers": 1},
                    export={"kv_cache": False, "kv_cache_len": 64, "parity_shapes": [[1, 8]]})
     run = cfg.run_dir()
-    prep, tok = _prepare(run)
+    prep, tok = _prepare(cfg)
     trained = stage_dir(run, "train")
     train(cfg, prep, trained)
     (step,) = (trained / "checkpoints").glob("step-*")
