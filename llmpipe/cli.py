@@ -6,6 +6,7 @@
     llmpipe report RUN [--artifacts-dir DIR]
     llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|om] [--temperature T]
                      [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
+    llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
@@ -94,7 +95,11 @@ def _parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="continue a prompt with a finished run's model, streaming the text")
     gen.add_argument("run", help="run name (folder under the artifacts dir) or the path of a run folder")
-    gen.add_argument("--prompt", required=True)
+    what = gen.add_mutually_exclusive_group(required=True)
+    what.add_argument("--prompt", help="text to continue")
+    what.add_argument("--chat", help="a question for a chat run: rendered with its chat template, only the answer "
+                      "is printed")
+    gen.add_argument("--system", help="with --chat: a system message before the question")
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
                      help="torch: PyTorch eager; fp32/fp16/int8: onnxruntime with the static KV-cache decoder "
@@ -129,6 +134,13 @@ def _parser() -> argparse.ArgumentParser:
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
     rep.add_argument("--artifacts-dir", default="artifacts")
+
+    synth = sub.add_parser("synth-chat", help="write the demo's conversation set (arithmetic and short facts, "
+                           "split by question) as OUT/train.jsonl and OUT/val.jsonl (held-out questions)")
+    synth.add_argument("out")
+    synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--arithmetic", type=int, default=2000, help="distinct arithmetic questions")
+    synth.add_argument("--val-fraction", type=float, default=0.1, help="share of questions held out")
     return p
 
 
@@ -365,6 +377,12 @@ def main(argv: list[str] | None = None) -> int:
             return _generate(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "synth-chat":
+            from llmpipe.chat import synth
+
+            counts = synth.write(args.out, args.seed, args.arithmetic, args.val_fraction)
+            print(f"{args.out}: train.jsonl {counts['train']} conversations, val.jsonl {counts['val']} (held out)")
+            return 0
         from llmpipe.tools import report
 
         print(f"report: {report.write(_recorded_config(args.run, args.artifacts_dir))}")
@@ -399,7 +417,7 @@ def _generate(args: argparse.Namespace) -> int:
         _recorded_config(args.run, args.artifacts_dir)  # a run name: checks the name and that it ran
         run_dir = Path(args.artifacts_dir) / args.run
     run_generate(run_dir, args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
-                 args.top_p, args.seed, args.threads)
+                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system)
     return 0
 
 

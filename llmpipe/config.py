@@ -38,9 +38,14 @@ OPERATIONAL, RESULT = "operational", "result"
 _OP_NOTE = " [operational: not in the fingerprint]"
 
 
-def Res(default: Any = ..., **kw: Any) -> Any:  # noqa: N802 (reads like Field)
-    """A result-defining field (see above)."""
-    return Field(default, json_schema_extra={ROLE: RESULT}, **kw)
+ADDED = "added"  # a result field added after runs existed: hashed only when it differs from its default
+
+
+def Res(default: Any = ..., added: bool = False, **kw: Any) -> Any:  # noqa: N802 (reads like Field)
+    """A result-defining field (see above). `added=True`: a field added later, with a default that keeps
+    the result of the runs made before it; at that default it is left out of the fingerprint, so those
+    runs' fingerprints stay as they were (its default must then never change)."""
+    return Field(default, json_schema_extra={ROLE: RESULT, **({ADDED: True} if added else {})}, **kw)
 
 
 def Op(default: Any = ..., **kw: Any) -> Any:  # noqa: N802
@@ -137,6 +142,19 @@ class DataSection(Section):
                              "null: all cores.")
     dask_address: str | None = Op(None, description="An existing Dask scheduler, e.g. tcp://10.0.0.5:8786; null: "
                                   "a LocalCluster on this machine.")
+    format: Literal["text", "chat"] = Res("text", added=True, description="text: documents (text_field), "
+                                          "pre-training; chat: conversations (messages_field, or Alpaca records), "
+                                          "rendered with the chat template, loss on data.train_on.")
+    messages_field: str = Res("messages", added=True, description="chat: the field (column) holding a record's "
+                              "list of {role, content} messages; a record without it may be Alpaca's "
+                              "(instruction, input, output).")
+    chat_template: str | None = Res(None, added=True, description="chat: a built-in template (chatml, llama3) or "
+                                    "a .jinja file, in Hugging Face's format; model.init_from's tokenizer_config.json "
+                                    "template wins when it has one.")
+    train_on: Literal["assistant", "all"] = Res("assistant", added=True, description="chat: the tokens the loss "
+                                                "is on: the assistant's words and end-of-turn marker, or all.")
+    packing: bool = Res(True, added=True, description="chat: several conversations per sequence, kept apart by a "
+                        "block-causal mask and per-conversation positions; false: one per sequence, padded.")
 
 
 class ModelSection(Section):
@@ -664,6 +682,9 @@ def _result_only(cls: type[Section], data: Any) -> Any:
     out = {}
     for name, value in data.items():
         if name not in cls.model_fields or role(cls, name) == OPERATIONAL:
+            continue
+        extra = cls.model_fields[name].json_schema_extra
+        if isinstance(extra, dict) and extra.get(ADDED) and value == cls.model_fields[name].default:
             continue
         sub = _subsection(cls.model_fields[name].annotation)
         out[name] = _result_only(sub, value) if sub is not None else value

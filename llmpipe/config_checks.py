@@ -101,8 +101,33 @@ def validate_layout(cfg: RunConfig, args, world: int, where: str = "") -> None:
         raise ConfigError(f"{prefix}{err}{where}") from None
 
 
+def check_chat(cfg: RunConfig) -> None:
+    """data.format: chat: a chat template that loads (model.init_from's, else data.chat_template: a built-in
+    name or a .jinja file; sandboxed, renders, supports add_generation_prompt), and packing only where the
+    layout carries its mask (not through pipeline stages)."""
+    from llmpipe.chat.template import TemplateError, resolve_template
+
+    d = cfg.data
+    if d.format != "chat":
+        return
+    try:
+        found = resolve_template(cfg.model.init_from, d.chat_template)
+    except TemplateError as err:
+        where = "model.init_from" if cfg.model.init_from and str(err).find(str(cfg.model.init_from)) >= 0 else \
+            "data.chat_template"
+        raise ConfigError(f"{where}: {err}") from None
+    if found is None:
+        raise ConfigError("data.chat_template: data.format is chat but there is no chat template (model.init_from "
+                          "has none; set a built-in name, chatml or llama3, or a .jinja file)")
+    if d.packing and cfg.train.parallel.pp > 1:
+        raise ConfigError(f"data.packing: packed conversations need a block-causal mask that pipeline stages "
+                          f"do not carry (train.parallel.pp={cfg.train.parallel.pp}); set data.packing: false "
+                          "or pp: 1")
+
+
 def check_model(cfg: RunConfig) -> None:
     """Model and layout checks that hold at any world size; raises ConfigError naming the field."""
+    check_chat(cfg)
     args = config_model_args(cfg)
     if cfg.data.seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
@@ -110,11 +135,12 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.export.static_decoder and cache is not None and cache > args.max_seq_len:
         raise ConfigError(f"export.kv_cache_len={cache} exceeds the model's max_seq_len={args.max_seq_len}")
     if cfg.model.init_from:  # Mistral's sliding window equals full attention only within the window
-        from llmpipe.models.llama import hf
+        from llmpipe.models.llama import hf, hf_files
 
         try:
             window = hf.read_config(cfg.model.init_from, cfg.model.max_seq_len)[1]["sliding_window"]
             hf.pretrained(cfg.model, args)  # every weight present, shaped as config.json says (headers only)
+            hf_files.read_carried(cfg.model.init_from, args.vocab_size)  # what consolidate's hf/ carries over
         except hf.HFFolderError as err:
             raise ConfigError(f"model.init_from: {err}") from None
         if window is not None and cfg.data.seq_len > window:

@@ -77,8 +77,10 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               resumable=True, extra="llmpipe.train.fingerprint:extra",
               retention="train.checkpoint.keep_superseded",
               outputs=("checkpoint/", "metrics", "model_config", "summary", "config")),
+    # revision 2: hf/ gains tokenizer_config.json, special_tokens_map.json, generation_config.json (issue 24)
     StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run",
-              number=3, outputs=("model", "model_config", "tokenizer")),
+              number=3, revision=2, extra="llmpipe.checkpoint.consolidate:fingerprint_extra",
+              outputs=("model", "model_config", "tokenizer")),
     StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run",
               number=4, outputs=("model", "parity")),
     StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run", number=5,

@@ -92,15 +92,17 @@ def engines(m: Models, providers: Sequence[OrtProvider], torch_baseline: bool) -
     return out
 
 
-def llm_results(m: Models, providers: Sequence[OrtProvider], cfg: BenchmarkSection, tokenizer, seed: int) -> dict:
-    """results["llm"]: prefill and decode rows per engine (with ratios to torch), samples, definitions."""
+def llm_results(m: Models, providers: Sequence[OrtProvider], cfg: BenchmarkSection, tokenizer, seed: int,
+                sample: tuple | None = None) -> dict:
+    """results["llm"]: prefill and decode rows per engine (with ratios to torch), samples, definitions.
+    `sample`: llm.sample_text's (prompt, tokens[, stop ids, stop strings]); default benchmark.llm's prompt."""
     c = cfg.llm
     plan = llm.LlmPlan(c.prompt_lens, c.batches, c.decode_prompt_len, c.new_tokens, c.repeats,
                        m.args.vocab_size, seed)
     measured = []
     for name, provider, opener in engines(m, providers, cfg.torch_baseline):
         measured.append(llm.measure_engine(name, provider, opener, plan, tokenizer,
-                                           (c.sample_prompt, c.sample_tokens)))
+                                           sample or (c.sample_prompt, c.sample_tokens)))
         m.torch_model.to("cpu")
     prefill, decode = llm.flat_rows(measured, "prefill"), llm.flat_rows(measured, "decode")
     if m.om is None:

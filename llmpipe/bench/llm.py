@@ -100,17 +100,22 @@ def measure_decode(engine, plan: LlmPlan) -> list[dict[str, Any]]:
     return rows
 
 
-def sample_text(engine, tokenizer, prompt: str, n: int) -> dict[str, Any]:
-    """A greedy continuation of `prompt` (the report shows one per engine)."""
+def sample_text(engine, tokenizer, prompt: str, n: int, stop_ids: Sequence[int] = (),
+                stop_strings: Sequence[str] = ()) -> dict[str, Any]:
+    """A greedy continuation of `prompt` (the report shows one per engine). A chat run's prompt is a
+    rendered conversation: the answer stops at a stop token (not shown) or before a stop string."""
     ids = tokenizer.encode(prompt).ids
     n = max(1, min(n, engine.capacity + 1 - len(ids)))
-    gen = generate(engine, np.array([ids], dtype=np.int64), n)
+    gen = generate(engine, np.array([ids], dtype=np.int64), n, stop_id=list(stop_ids))
     tokens = gen.tokens[0].tolist()
-    return {"prompt": prompt, "tokens": tokens, "text": tokenizer.decode(tokens)}
+    text = tokenizer.decode([t for t in tokens if t not in stop_ids])
+    cuts = [i for i in (text.find(s) for s in stop_strings if s) if i >= 0]
+    out = {"prompt": prompt, "tokens": tokens, "text": text[:min(cuts)] if cuts else text}
+    return {**out, "chat": True} if stop_ids or stop_strings else out
 
 
 def measure_engine(name: str, provider: str, open_engine: Callable[[], Any], plan: LlmPlan,
-                   tokenizer=None, sample: tuple[str, int] | None = None) -> dict[str, Any]:
+                   tokenizer=None, sample: tuple | None = None) -> dict[str, Any]:
     """Every measurement of one engine; a failure to open or run it is recorded, not raised."""
     out: dict[str, Any] = {"variant": name, "provider": provider, "prefill": [], "decode": [], "sample": None,
                            "error": None}

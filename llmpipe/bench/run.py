@@ -394,6 +394,28 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int):
                   om, om_reason, list(cfg.variants))
 
 
+def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:
+    """A chat run's generated sample (llm.sample_text's arguments): benchmark.llm.sample_prompt asked as a
+    user's question in the run's chat template (checked against training's digest first), its answer
+    ending at eos or the template's end of turn; None for a text run."""
+    from llmpipe.chat.template import load_template
+    from llmpipe.checkpoint.template_digest import METRIC, RENDER, check_folder, training_digest
+    from llmpipe.models.llama.hf_files import single_token_ids
+
+    folder, manifest = ctx.inputs["consolidate"]
+    source = check_folder(folder, training_digest(ctx.run_dir, manifest.metrics.get(METRIC),
+                                                  folder / "manifest.json"))
+    if source is None:
+        return None
+    tpl, render = load_template(source, str(folder / "chat_template.jinja")), manifest.metrics.get(RENDER) or {}
+    prompt = tpl.render([{"role": "user", "content": ctx.cfg.benchmark.llm.sample_prompt}],
+                        add_generation_prompt=True, bos_token=render.get("bos_token", ""),
+                        eos_token=render.get("eos_token", ""))
+    eos = tokenizer.token_to_id(render.get("eos_token") or ctx.cfg.data.tokenizer.eos_token)
+    stops = ([eos] if eos is not None else []) + single_token_ids(tokenizer, tpl.end_of_turn)
+    return prompt, ctx.cfg.benchmark.llm.sample_tokens, stops, tpl.end_of_turn
+
+
 def run(ctx: StageContext) -> StageResult:
     """The benchmark stage: results.json, results.md, the plots and variants/ in ctx.work_dir."""
     from llmpipe.bench import deploy
@@ -420,9 +442,10 @@ def run(ctx: StageContext) -> StageResult:
                         root=ctx.work_dir)
     check_measured(results, list(cfg.variants), auto_providers=cfg.providers == "auto")
     models = _models(ctx, args, torch_model, variants, threads)
+    tokenizer = load_tokenizer(model_dir / TOKENIZER)
     with torch_threads(threads):
-        results["llm"] = deploy.llm_results(models, providers, cfg, load_tokenizer(model_dir / TOKENIZER),
-                                            ctx.cfg.run.seed)
+        results["llm"] = deploy.llm_results(models, providers, cfg, tokenizer, ctx.cfg.run.seed,
+                                            chat_sample(ctx, tokenizer))
         nowhere = llm.failed_everywhere(results["llm"], cfg.llm.prompt_lens, cfg.llm.batches)
         if nowhere:
             raise StageError(f"benchmark: {nowhere}")

@@ -3,8 +3,14 @@
     model.safetensors   weights in llmpipe names (fp32 or bf16)
     model_config.json   architecture (ModelArgs) and dtype
     tokenizer.json      the tokenizer the model was trained with
+    chat_template.jinja the chat template training rendered the conversations with (chat runs)
     hf/                 the same weights under Hugging Face Llama names + config.json + tokenizer.json,
-                        loadable by transformers' LlamaForCausalLM
+                        tokenizer_config.json (special tokens, the chat template), special_tokens_map.json
+                        and generation_config.json (llmpipe.models.llama.hf_files): what transformers'
+                        AutoTokenizer / LlamaForCausalLM, vLLM and TGI load as it is
+
+The chat template is training's (prepare_data's chat_template.jinja), checked against the digest
+prepare_data recorded and recorded again in this stage's metrics (llmpipe.checkpoint.template_digest).
 
 Tensors are streamed one at a time from the checkpoint to the output file.
 """
@@ -23,9 +29,12 @@ from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.checkpoint.dcp import consolidate_dcp
 from llmpipe.checkpoint.stream import write_streaming
+from llmpipe.checkpoint.template_digest import METRIC, RENDER, TEMPLATE_FILE, digest, mismatch, read_template
 from llmpipe.checkpoint.zero import consolidate_zero
+from llmpipe.manifest import sha256_file
 from llmpipe.models.llama import hf
 from llmpipe.models.llama import io as model_io
+from llmpipe.models.llama.hf_files import GENERATION_CONFIG, TOKENIZER_CONFIG, hf_files, read_carried, write_hf_files
 from llmpipe.models.llama.model import ModelArgs
 from llmpipe.stages import StageContext, StageError, StageResult
 
@@ -66,15 +75,64 @@ def run(ctx: StageContext) -> StageResult:
     tokenizer = ctx.input_path("prepare_data", "tokenizer")
     shutil.copyfile(tokenizer, out / model_io.TOKENIZER)
     outputs = {"model": model_io.WEIGHTS, "model_config": model_io.CONFIG, "tokenizer": model_io.TOKENIZER}
+    template = training_template(ctx)
+    data_meta = json.loads(ctx.input_path("prepare_data", "meta").read_text())
+    eos_token = data_meta.get("eos_token") or ctx.cfg.data.tokenizer.eos_token
+    metrics = {**stats, "step": meta["step"], "dtype": cfg.dtype}
+    if template is not None:
+        (out / TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        outputs["chat_template"] = TEMPLATE_FILE
+        chat = data_meta.get("chat") or {}  # what training rendered the conversations with
+        metrics[METRIC] = digest(template)
+        metrics[RENDER] = {"bos_token": chat.get("bos_token", ""), "eos_token": chat.get("eos_token", eos_token)}
     if cfg.hf_layout:
         (out / "hf").mkdir()
         consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name)
-        data_meta = json.loads(ctx.input_path("prepare_data", "meta").read_text())
         (out / "hf" / "config.json").write_text(
             json.dumps(hf.hf_config(args, cfg.dtype, data_meta.get("eos_id")), indent=2) + "\n")
         shutil.copyfile(tokenizer, out / "hf" / model_io.TOKENIZER)
+        write_hf_files(out / "hf", folder_files(tokenizer, eos_token, args, template, ctx.cfg.model.init_from))
         outputs["hf"] = "hf"
     log.info("consolidated step %d (%d tensors, %.2fM params) -> %s", meta["step"], stats["tensors"],
              stats["params"] / 1e6, out)
-    return StageResult(outputs=outputs, metrics={**stats, "step": meta["step"], "dtype": cfg.dtype,
-                                                 "bytes": (out / model_io.WEIGHTS).stat().st_size})
+    return StageResult(outputs=outputs, metrics={**metrics, "bytes": (out / model_io.WEIGHTS).stat().st_size})
+
+
+def training_template(ctx: StageContext) -> str | None:
+    """prepare_data's chat template (None for a text run), checked against the digest it recorded."""
+    folder, manifest = ctx.inputs["prepare_data"]
+    path = folder / TEMPLATE_FILE
+    source = read_template(path) if path.is_file() else None
+    if digest(source) != manifest.metrics.get(METRIC):
+        raise mismatch(path, digest(source), manifest.metrics.get(METRIC))
+    return source
+
+
+def folder_files(tokenizer: Path, eos_token: str, args: ModelArgs, template: str | None,
+                 init_from: str | None) -> dict[str, dict]:
+    """hf/'s tokenizer_config.json, special_tokens_map.json and generation_config.json for the run's
+    tokenizer, its chat template and model.init_from's own files (carried over, checked)."""
+    from llmpipe.data.tokenizer import load_tokenizer
+
+    end_of_turn: list[str] = []
+    if template is not None:
+        from llmpipe.chat.template import load_template
+
+        end_of_turn = load_template(template, TEMPLATE_FILE).end_of_turn
+    try:
+        return hf_files(load_tokenizer(tokenizer), eos_token, args.max_seq_len, template, end_of_turn,
+                        read_carried(init_from, args.vocab_size))
+    except hf.HFFolderError as err:
+        raise StageError(f"consolidate: model.init_from: {err}") from None
+
+
+def fingerprint_extra(cfg) -> dict:
+    """What consolidate reads besides its inputs: model.init_from's tokenizer_config.json and
+    generation_config.json, whose values hf/ carries over (their sha256; {} without init_from)."""
+    if not cfg.model.init_from:
+        return {}
+    out = {}
+    for name in (TOKENIZER_CONFIG, GENERATION_CONFIG):
+        path = Path(cfg.model.init_from) / name
+        out[name] = sha256_file(path) if path.is_file() else None
+    return {"init_from": out}

@@ -422,4 +422,13 @@ def fingerprint_extra(cfg) -> dict[str, Any]:
                 h.update(f"{q}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
             except OSError:
                 h.update(f"{q}\0missing\n".encode())
-    return {"files": len(files), "stat_digest": h.hexdigest()}
+    out: dict[str, Any] = {"files": len(files), "stat_digest": h.hexdigest()}
+    if cfg.data.format == "chat":  # the template is part of the data: its digest (text runs: nothing added)
+        from llmpipe.chat.template import TemplateError, resolve_template
+
+        try:
+            tpl = resolve_template(cfg.model.init_from, cfg.data.chat_template)
+            out["chat_template_sha256"] = tpl.sha256 if tpl is not None else None
+        except TemplateError as err:
+            out["chat_template_error"] = str(err)
+    return out

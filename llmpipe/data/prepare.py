@@ -35,6 +35,7 @@ from tqdm import tqdm
 from llmpipe import attempts
 from llmpipe.config import DataSection
 from llmpipe.data import units as unit_mod
+from llmpipe.data.chat import special_markers
 from llmpipe.data.corpus import find_inputs
 from llmpipe.data.errors import DataError
 from llmpipe.data.shards import token_dtype
@@ -46,6 +47,8 @@ log = logging.getLogger("llmpipe.data")
 
 OUTPUTS = {"tokenizer": "tokenizer.json", "train_bin": "train.bin", "train_idx": "train.idx",
            "val_bin": "val.bin", "val_idx": "val.idx", "meta": "data_meta.json"}
+# data.format: chat adds the template (its source; the digest is in the manifest's metrics) and the labels
+CHAT_OUTPUTS = {"chat_template": "chat_template.jinja", "train_labels": "train.labels", "val_labels": "val.labels"}
 LOG_EVERY_S = 30.0  # progress lines when stderr is not a terminal
 FINGERPRINT = ".fingerprint"
 
@@ -92,6 +95,22 @@ class Progress:
             self.bar.close()
 
 
+def chat_template(cfg):
+    """The run's chat template (llmpipe.chat.template.resolve_template) when data.format is chat, else None.
+    (config load already checked that it loads; a TemplateError here is one line too.)"""
+    if cfg.data.format != "chat":
+        return None
+    from llmpipe.chat.template import TemplateError, resolve_template
+
+    try:
+        tpl = resolve_template(cfg.model.init_from, cfg.data.chat_template)
+    except TemplateError as err:
+        raise DataError(f"data.chat_template: {err}") from None
+    if tpl is None:
+        raise DataError("data.chat_template: data.format is chat but there is no chat template")
+    return tpl
+
+
 def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
     """Mask over documents, True = validation: max(1, round(fraction * n)) of them, by a seeded shuffle."""
     if n_docs < 2:
@@ -106,19 +125,27 @@ def split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
 # --------------------------------------------------------------------------- the tokenizer
 
 
-def _documents(units: list, data: DataSection) -> Iterator[str]:
-    """Every document that passes the filters, in corpus order (the tokenizer's training text)."""
+def _documents(units: list, data: DataSection, tpl=None) -> Iterator[str]:
+    """Every document that passes the filters, in corpus order (the tokenizer's training text); with a
+    chat template `tpl`, every conversation rendered with it."""
+    from llmpipe.data.chat import content_text
     from llmpipe.data.dedup import Filters
-    from llmpipe.data.readers import ErrorLog, read_unit
+    from llmpipe.data.readers import ChatRecords, ErrorLog, read_unit
 
     filters = Filters.from_config(data.filters)
     errors = ErrorLog()  # the units count errors again when they tokenize; not reported twice
     progress = Progress("read for the tokenizer", sum(u.size for u in units), "B", "documents")
+    field = ChatRecords(data.messages_field) if tpl is not None else data.text_field
     try:
         for unit in units:
-            for text in read_unit(unit, data.text_field, data.max_file_bytes, errors,
+            for text in read_unit(unit, field, data.max_file_bytes, errors,
                                   max_record_bytes=data.max_record_bytes):
-                if not filters.kind(text):
+                if tpl is not None:
+                    messages = field.last[0]
+                    if not filters.kind(content_text(messages)):
+                        progress.update(0, 1)
+                        yield tpl.render(messages, eos_token=data.tokenizer.eos_token)
+                elif not filters.kind(text):
                     progress.update(0, 1)
                     yield text
             progress.update(unit.size)
@@ -142,9 +169,11 @@ def sample_documents(docs: Iterator[str], n_docs: int | None, n_bytes: int | Non
     return [text for _, _, text, _ in sorted(heap, key=lambda e: e[1])]
 
 
-def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int) -> tuple[Tokenizer, int, dict]:
+def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int,
+               tpl=None) -> tuple[Tokenizer, int, dict]:
     """Train (or load) the tokenizer, save it to `out`; an interrupted attempt's (in the units
-    cache) is reused, since its units were tokenized with it. Returns (tokenizer, eos id, info)."""
+    cache) is reused, since its units were tokenized with it. Returns (tokenizer, eos id, info).
+    A chat run's tokenizer is trained on the rendered conversations, the template's markers special tokens."""
     cfg = data.tokenizer
     cached = cache / OUTPUTS["tokenizer"]
     if cfg.path is not None:
@@ -167,7 +196,7 @@ def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int
     t0 = time.monotonic()
     # NOTE: each document's start only (data.tokenizer.doc_chars): the trainer's memory grows with the
     # distinct words it sees, about 100 bytes a character, so a 16 MB record of unique words took 1.9 GB
-    docs: Iterator[str] | list[str] = (training_text(d, cfg.doc_chars) for d in _documents(units, data))
+    docs: Iterator[str] | list[str] = (training_text(d, cfg.doc_chars) for d in _documents(units, data, tpl))
     info: dict[str, Any] = {"trained": True}
     if cfg.sample_docs is not None or cfg.sample_bytes is not None:
         docs = sample_documents(docs, cfg.sample_docs, cfg.sample_bytes, seed)
@@ -176,8 +205,9 @@ def _tokenizer(units: list, data: DataSection, out: Path, cache: Path, seed: int
         log.info("tokenizer: training on a seeded sample of %d documents (%s bytes)", len(docs),
                  _human(info["sample_bytes"]))
     # NOTE: in pieces cut at whitespace (tokenizer.split_text): the same words for BPE, bounded memory
+    markers = special_markers(tpl.source) if tpl is not None else []
     tok = train_tokenizer((p for d in docs for p in split_text(d, TRAIN_PIECE_CHARS)), cfg.vocab_size,
-                          cfg.min_frequency, cfg.eos_token)
+                          cfg.min_frequency, cfg.eos_token, markers)
     info["seconds"] = round(time.monotonic() - t0, 3)
     tok.save(str(out))
     shutil.copyfile(out, cached)
@@ -205,12 +235,24 @@ def units_cache(ctx: StageContext) -> Path:
     return folder
 
 
-def _spec(data: DataSection, tok_path: Path, eos: int, dtype: np.dtype, fingerprint: str) -> dict[str, Any]:
-    return {"tokenizer": str(tok_path), "eos": eos, "dtype": dtype.name, "text_field": data.text_field,
+def _spec(data: DataSection, tok_path: Path, eos: int, dtype: np.dtype, fingerprint: str,
+          tpl=None) -> dict[str, Any]:
+    spec = {"tokenizer": str(tok_path), "eos": eos, "dtype": dtype.name, "text_field": data.text_field,
             "max_file_bytes": data.max_file_bytes, "max_record_bytes": data.max_record_bytes,
             "filters": data.filters.model_dump(), "dedup": data.dedup,
             "minhash": {"num_perm": data.minhash.num_perm, "ngram": data.minhash.ngram},
             "fingerprint": fingerprint}
+    if tpl is not None:
+        spec.update(format="chat", messages_field=data.messages_field, chat_template=tpl.source,
+                    chat_template_origin=tpl.origin, chat=_chat_meta(data, tpl))
+    return spec
+
+
+def _chat_meta(data: DataSection, tpl) -> dict[str, Any]:
+    """What a chat run's later stages need to render as training rendered (also in data_meta.json)."""
+    return {"template_sha256": tpl.sha256, "template_origin": tpl.origin, "end_of_turn": tpl.end_of_turn,
+            "bos_token": "", "eos_token": data.tokenizer.eos_token, "train_on": data.train_on,
+            "seq_len": data.seq_len, "messages_field": data.messages_field}
 
 
 def _fail_after() -> int | None:
@@ -291,7 +333,8 @@ def _totals(metas: list[dict], first=None) -> tuple[dict[str, int], dict]:
 
 def _check_corpus(counts: dict[str, int], errors: dict, n_files: int) -> None:
     if counts.get("documents", 0) == 0:
-        examples = "; ".join(f"{e['path']}: {e['reason']}" for e in errors.get("examples", [])[:3]) or "no documents"
+        examples = "; ".join(f"{e['path']}{' ' + e['where'] if e['kind'] == 'bad_record' else ''}: {e['reason']}"
+                             for e in errors.get("examples", [])[:3]) or "no documents"
         raise DataError(f"data.inputs: no usable documents in {n_files} input(s) (e.g. {examples})")
     if errors.get("total"):
         first = errors["examples"][0]
@@ -300,6 +343,12 @@ def _check_corpus(counts: dict[str, int], errors: dict, n_files: int) -> None:
 
 
 def _check_samples(meta: dict[str, Any], data: DataSection) -> None:
+    if data.format == "chat":
+        for split in ("train", "val"):
+            if meta[f"{split}_documents"] < 1:
+                raise DataError(f"data.inputs: no conversation left for the {split} split; add conversations"
+                                + (f" or raise data.val_fraction (now {data.val_fraction})" if split == "val" else ""))
+        return
     need = data.seq_len + 1
     advice = {"val": f"raise data.val_fraction (now {data.val_fraction}), add data, or lower data.seq_len",
               "train": "add data or lower data.seq_len"}
@@ -339,11 +388,12 @@ def _run(ctx: StageContext) -> StageResult:
     workers = data.workers or os.cpu_count() or 1
     log.info("prepare_data: %d input(s), %s bytes, %d work unit(s), engine %s", len(inputs.files),
              _human(sum(u.size for u in units)), len(units), data.engine if ctx.executor else f"local x{workers}")
-    tok, eos, tok_info = _tokenizer(units, data, out / OUTPUTS["tokenizer"], cache, seed)
+    tpl = chat_template(ctx.cfg)
+    tok, eos, tok_info = _tokenizer(units, data, out / OUTPUTS["tokenizer"], cache, seed, tpl)
     vocab = tok.get_vocab_size()
     dtype = token_dtype(vocab)
     spec = _spec(data, cache / OUTPUTS["tokenizer"] if tok_info.get("trained") else out / OUTPUTS["tokenizer"],
-                 eos, dtype, ctx.fingerprint)
+                 eos, dtype, ctx.fingerprint, tpl)
     if not tok_info.get("trained"):
         shutil.copyfile(out / OUTPUTS["tokenizer"], cache / OUTPUTS["tokenizer"])
         spec["tokenizer"] = str(cache / OUTPUTS["tokenizer"])
@@ -354,7 +404,8 @@ def _run(ctx: StageContext) -> StageResult:
     _check_corpus(counts, errors, len(inputs.files))
     deduper = Deduper(data.dedup, data.minhash.threshold, data.minhash.num_perm)
     merged = unit_mod.merge(cache, metas, out, (OUTPUTS["train_bin"], OUTPUTS["val_bin"]), dtype,
-                            lambda n: split_documents(n, data.val_fraction, seed), data.dedup, deduper)
+                            lambda n: split_documents(n, data.val_fraction, seed), data.dedup, deduper,
+                            labels=tpl is not None)
     tokens = merged["train_tokens"] + merged["val_tokens"]
     filtered = {k.removeprefix("filtered_"): v for k, v in counts.items() if k.startswith("filtered_")}
     meta = {"vocab_size": vocab, "eos_id": eos, "eos_token": data.tokenizer.eos_token, "dtype": dtype.name,
@@ -369,6 +420,12 @@ def _run(ctx: StageContext) -> StageResult:
             "val_documents": merged["val_documents"], "read_errors": errors,
             # NOTE: no timings in data_meta.json: its bytes must depend on the corpus and config only
             "tokenizer": {k: v for k, v in tok_info.items() if k not in ("seconds", "reused")}}
+    outputs = dict(OUTPUTS)
+    if tpl is not None:  # a conversation is a sample (packed or padded at training)
+        meta.update(format="chat", chat=_chat_meta(data, tpl), train_samples=merged["train_documents"],
+                    val_samples=merged["val_documents"])
+        (out / CHAT_OUTPUTS["chat_template"]).write_text(tpl.source, encoding="utf-8")
+        outputs.update(CHAT_OUTPUTS)
     _check_samples(meta, data)
     write_json_atomic(out / OUTPUTS["meta"], meta)
     log.info("prepare_data: %d documents read, %d filtered, %d duplicates removed, %d kept; %s tokens; "
@@ -386,5 +443,7 @@ def _run(ctx: StageContext) -> StageResult:
                    tokens_per_sec=round(tokens / max(tok_s, 1e-9)),
                    bytes_per_token=round(counts.get("bytes_read", 0) / max(tokens, 1), 3),
                    workers=workers if ctx.executor is None else None)
+    if tpl is not None:
+        metrics.update(format="chat", chat_template_sha256=tpl.sha256, chat_template_origin=tpl.origin)
     shutil.rmtree(cache, ignore_errors=True)  # merged into the shards written above
-    return StageResult(outputs=dict(OUTPUTS), metrics=metrics)
+    return StageResult(outputs=outputs, metrics=metrics)

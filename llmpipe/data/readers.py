@@ -107,6 +107,83 @@ class ErrorLog:
         self.examples.extend(other.get("examples", [])[: MAX_EXAMPLES - len(self.examples)])
 
 
+class ChatRecords:
+    """What the readers take of a record with data.format: chat, in place of a text field: its
+    conversation (llmpipe.data.chat.conversation: messages_field, or an Alpaca record), passed on as the
+    canonical JSON of its messages; a record without a valid one is a bad record (the reason says why)."""
+
+    def __init__(self, messages_field: str, encoder: Callable | None = None):
+        self.messages_field = messages_field
+        # encoder(messages) -> (ids, labels, why): a conversation that leaves nothing to train is a bad
+        # record too, listed where the reader found it; the last record's (messages, ids, labels) is `last`
+        self.encoder = encoder
+        self.last: tuple = ()
+
+    def __str__(self) -> str:
+        return self.messages_field
+
+    def take(self, record: Any) -> tuple[str | None, str]:
+        from llmpipe.data.chat import conversation, to_document
+
+        messages, why = conversation(record, self.messages_field)
+        if messages is None:
+            return None, why
+        if self.encoder is not None:
+            ids, labels, why = self.encoder(messages)
+            if ids is None:
+                return None, why
+            self.last = (messages, ids, labels)
+        else:
+            self.last = (messages, None, None)
+        return to_document(messages), ""
+
+    def columns(self, schema) -> tuple[list[str] | None, str]:
+        """The columns to read of a table, or (None, why there are none)."""
+        if self.messages_field in schema.names:
+            return [self.messages_field], ""
+        if "instruction" in schema.names and "output" in schema.names:
+            return [c for c in ("instruction", "input", "output", "system") if c in schema.names], ""
+        return None, (f"no column {self.messages_field!r} and no Alpaca 'instruction' and 'output' "
+                      f"(columns: {', '.join(schema.names)})")
+
+
+def _chat_rows(batch, path: str, where: Callable[[int], str], fields: ChatRecords, limit: int,
+               log: ErrorLog) -> Iterator[str]:
+    """The conversations of a record batch (its chat columns); invalid or over-long ones are bad records."""
+    for i, row in enumerate(batch.to_pylist()):
+        doc, why = fields.take(row)
+        if doc is not None and len(doc) > limit and len(doc.encode("utf-8")) > limit:
+            doc, why = None, _too_long(len(doc.encode("utf-8")), limit)
+        if doc is None:
+            log.add("bad_record", path, where(i), why)
+        else:
+            yield doc
+
+
+def _columns(schema, field: str | ChatRecords) -> tuple[list[str] | None, str]:
+    if isinstance(field, ChatRecords):
+        return field.columns(schema)
+    why = _string_column(schema, field)
+    return (None, why) if why else ([field], "")
+
+
+def _values(batch, path: str, where: Callable[[int], str], field: str | ChatRecords, limit: int,
+            log: ErrorLog) -> Iterator[str]:
+    """The documents of a record batch holding the columns `_columns` chose."""
+    if isinstance(field, ChatRecords):
+        return _chat_rows(batch, path, where, field, limit, log)
+    return _texts(batch.column(0), path, where, field, limit, log)
+
+
+def _no_conversation(unit: Unit, text_field, log: ErrorLog) -> bool:
+    """A whole-file text document read with data.format: chat: skipped, with the reason."""
+    if isinstance(text_field, ChatRecords):
+        log.add("skipped_file", unit.path, "file", "a text file holds no conversation (data.format: chat reads "
+                "records: jsonl, json, parquet, datasets folders)")
+        return True
+    return False
+
+
 # --------------------------------------------------------------------------- formats and units
 
 
@@ -222,6 +299,8 @@ def read_unit(unit: Unit, text_field: str, max_file_bytes: int, log: ErrorLog, *
 
 
 def _read_txt(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
+    if _no_conversation(unit, text_field, log):
+        return
     try:
         size = Path(unit.path).stat().st_size
         if size > max_file_bytes:
@@ -240,6 +319,8 @@ def _read_txt(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log:
 
 def _read_txt_stream(unit: Unit, text_field: str, max_file_bytes: int, limit: int, log: ErrorLog) -> Iterator[str]:
     """A compressed text file is one document; a truncated one is dropped (it is the only document)."""
+    if _no_conversation(unit, text_field, log):
+        return
     try:
         with _open_stream(unit) as f:
             text, why = _whole_text(f, max_file_bytes, " decompressed")
@@ -363,7 +444,10 @@ def _records(lines: Iterable[tuple[str, bytes | None, int]], path: str, text_fie
 
 
 def _field(record: Any, text_field: str) -> tuple[str | None, str]:
-    """(record[text_field], "") when it is a string, else (None, why not)."""
+    """(record[text_field], "") when it is a string, else (None, why not); with data.format: chat (a
+    ChatRecords), the record's conversation."""
+    if isinstance(text_field, ChatRecords):
+        return text_field.take(record)
     if not isinstance(record, dict):
         return None, f"a JSON {type(record).__name__}, not an object"
     if text_field not in record:
@@ -554,7 +638,8 @@ def _read_parquet(unit: Unit, text_field: str, max_file_bytes: int, limit: int, 
         if unit.start == 0:
             log.add("skipped_file", unit.path, "file", f"not a readable parquet file ({err})")
         return
-    if why := _string_column(pf.schema_arrow, text_field):
+    columns, why = _columns(pf.schema_arrow, text_field)
+    if columns is None:
         if unit.start == 0:  # once per file, not once per unit
             log.add("missing_field", unit.path, "schema", why)
         return
@@ -563,9 +648,8 @@ def _read_parquet(unit: Unit, text_field: str, max_file_bytes: int, limit: int, 
     for g in range(unit.start, meta.num_row_groups if unit.stop is None else unit.stop):
         first = row
         try:
-            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=[text_field]):
-                yield from _texts(batch.column(0), unit.path, lambda i, r=row: f"row {r + i}", text_field, limit,
-                                  log)
+            for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[g], columns=columns):
+                yield from _values(batch, unit.path, lambda i, r=row: f"row {r + i}", text_field, limit, log)
                 row += batch.num_rows
         except (OSError, pa.ArrowException) as err:
             log.add("bad_row_group", unit.path, f"row group {g}", _first_line(err))
@@ -661,7 +745,7 @@ def _read_datasets(unit: Unit, text_field: str, max_file_bytes: int, limit: int,
         if unit.start == 0:  # once per folder
             log.add("skipped_file", unit.path, "state.json", str(err))
         return
-    g, row, current = 0, 0, None
+    g, row, current, columns = 0, 0, None, None
     for path, batch, err in _folder_batches(Path(unit.path), names):
         if unit.stop is not None and g >= unit.stop:
             return
@@ -670,15 +754,17 @@ def _read_datasets(unit: Unit, text_field: str, max_file_bytes: int, limit: int,
                 kind = "skipped_file" if isinstance(err, _Unusable) else "truncated_stream"
                 log.add(kind, unit.path, path.name, _first_line(err))
             continue
-        if g == 0 and (why := _string_column(batch.schema, text_field)):
-            if unit.start == 0:  # once per folder, not once per unit
-                log.add("missing_field", unit.path, "schema", why)
-            return
+        if g == 0:
+            columns, why = _columns(batch.schema, text_field)
+            if columns is None:
+                if unit.start == 0:  # once per folder, not once per unit
+                    log.add("missing_field", unit.path, "schema", why)
+                return
         if path != current:
             current, row = path, 0
         if g >= unit.start:
-            yield from _texts(batch.column(text_field), unit.path,
-                              lambda i, p=path.name, r=row: f"{p} row {r + i}", text_field, limit, log)
+            yield from _values(batch.select(columns), unit.path,
+                               lambda i, p=path.name, r=row: f"{p} row {r + i}", text_field, limit, log)
         g, row = g + 1, row + batch.num_rows
 
 

@@ -39,13 +39,14 @@ def new_tokenizer() -> Tokenizer:
 
 
 def train_tokenizer(documents: Iterable[str], vocab_size: int, min_frequency: int = 2,
-                    eos_token: str = "<|endoftext|>") -> Tokenizer:
-    """Train a byte-level BPE on `documents`. The vocabulary may come out smaller on a tiny corpus."""
+                    eos_token: str = "<|endoftext|>", extra_special: Iterable[str] = ()) -> Tokenizer:
+    """Train a byte-level BPE on `documents`. The vocabulary may come out smaller on a tiny corpus.
+    `extra_special`: more special tokens after EOS (a chat template's markers, ids 1, 2, ...)."""
     tok = new_tokenizer()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=min_frequency,
-        special_tokens=[eos_token],  # id 0
+        special_tokens=[eos_token, *[t for t in extra_special if t != eos_token]],  # EOS: id 0
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )

@@ -17,6 +17,7 @@ byte-identical whatever the number of workers or the order units finished in.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from llmpipe.data.chat import LabelWriter, labels_path
 from llmpipe.data.errors import DataError
 from llmpipe.data.shards import ShardWriter, TokenShard
 
@@ -41,23 +43,41 @@ KEYS = "keys.npy"
 ENCODE_DOCS = 512  # pieces per encode_batch call
 ENCODE_CHARS = 4 << 20  # ... or fewer, so one call's ids stay around 100 MB
 
-_TOKENIZERS: dict[str, Any] = {}  # path -> Tokenizer, loaded once per worker process
+LABELS = "tokens.labels"  # data.format: chat: one uint8 per token, 1 = a trained target
+_TOKENIZERS: dict[tuple[str, bool], Any] = {}  # (path, chat) -> Tokenizer, loaded once per worker process
 
 
 def unit_dir(units: Path, index: int) -> Path:
     return Path(units) / f"{index:06d}"
 
 
-def _tokenizer(path: str):
-    tok = _TOKENIZERS.get(path)
+def _tokenizer(path: str, chat: bool = False):
+    tok = _TOKENIZERS.get((path, chat))
     if tok is None:
         from llmpipe.data.tokenizer import load_tokenizer
 
         tok = load_tokenizer(path)
         # NOTE: the literal EOS text inside a document stays plain text; only the appended id separates documents.
-        tok.encode_special_tokens = True
-        _TOKENIZERS[path] = tok
+        # A chat template's markers (<|im_end|>, the EOS it writes) are its special tokens: encoded as such.
+        tok.encode_special_tokens = not chat
+        _TOKENIZERS[(path, chat)] = tok
     return tok
+
+
+def _chat_records(spec: dict):
+    """data.format: chat: the readers' ChatRecords, encoding each conversation with the run's template."""
+    from llmpipe.chat.template import load_template
+    from llmpipe.data import chat
+    from llmpipe.data.readers import ChatRecords
+
+    tok = _tokenizer(spec["tokenizer"], chat=True)
+    tpl = load_template(spec["chat_template"], spec["chat_template_origin"])
+    c = spec["chat"]
+
+    def encoder(messages):
+        return chat.encode(tok, tpl, messages, c["seq_len"], c["train_on"], c["bos_token"], c["eos_token"])
+
+    return ChatRecords(spec["messages_field"], encoder)
 
 
 def done(units: Path, index: int, fingerprint: str) -> dict | None:
@@ -70,21 +90,28 @@ def done(units: Path, index: int, fingerprint: str) -> dict | None:
     return meta if meta.get("fingerprint") == fingerprint else None
 
 
-def _documents(unit, spec: dict, errors, counts: dict[str, int]) -> Iterator[str]:
-    """The unit's documents that pass the filters; counts what was read and what was dropped."""
+def _documents(unit, spec: dict, errors, counts: dict[str, int], field=None,
+               encoded: list | None = None) -> Iterator[str]:
+    """The unit's documents that pass the filters; counts what was read and what was dropped. With a
+    ChatRecords `field`, the filters judge a conversation's contents and each kept one's (ids, labels)
+    go to `encoded`."""
+    from llmpipe.data.chat import content_text
     from llmpipe.data.dedup import Filters
     from llmpipe.data.readers import read_unit
 
     filters = Filters(**spec["filters"])
-    for text in read_unit(unit, spec["text_field"], spec["max_file_bytes"], errors,
+    chat = field is not None
+    for text in read_unit(unit, field if chat else spec["text_field"], spec["max_file_bytes"], errors,
                           max_record_bytes=spec["max_record_bytes"]):
         counts["documents_read"] += 1
         # NOTE: no encoded copy of a (possibly huge) ASCII document just to count its bytes
         counts["bytes_read"] += len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
-        kind = filters.kind(text)
+        kind = filters.kind(content_text(field.last[0]) if chat else text)
         if kind:
             counts[f"filtered_{kind}"] = counts.get(f"filtered_{kind}", 0) + 1
             continue
+        if chat:
+            encoded.append(field.last[1:])
         yield text
 
 
@@ -162,9 +189,17 @@ def process_unit(item: dict[str, Any]) -> dict[str, Any]:
     errors = ErrorLog()
     counts = {"documents_read": 0, "bytes_read": 0}
     keys: list[np.ndarray] = []
-    with ShardWriter(tmp / TOKENS, spec["dtype"]) as shard:
-        for texts in _batches(_documents(unit, spec, errors, counts)):
-            shard.add_documents(_encode(tok, texts, spec["eos"]))
+    chat = spec.get("format") == "chat"
+    field, encoded = (_chat_records(spec), []) if chat else (None, None)
+    with ShardWriter(tmp / TOKENS, spec["dtype"]) as shard, \
+            (LabelWriter(tmp / LABELS) if chat else contextlib.nullcontext()) as labels:
+        for texts in _batches(_documents(unit, spec, errors, counts, field, encoded)):
+            if chat:  # encoded as they were read (a bad one is listed where it was found)
+                shard.add_documents([ids for ids, _ in encoded])
+                labels.add([lab for _, lab in encoded])
+                encoded.clear()
+            else:
+                shard.add_documents(_encode(tok, texts, spec["eos"]))
             if spec["dedup"] != "none":
                 keys.append(_keys(texts, spec, hasher))
     if spec["dedup"] != "none":
@@ -264,25 +299,34 @@ def _decide(units: Path, metas: list[dict], dedup: str, deduper) -> tuple[list[n
 
 
 def merge(units: Path, metas: list[dict], out_dir: Path, names: tuple[str, str], dtype, is_val_of: Callable,
-          dedup: str, deduper) -> dict[str, int]:
+          dedup: str, deduper, labels: bool = False) -> dict[str, int]:
     """Write train/val shards from the units, in corpus order. `is_val_of(n_kept)` gives the
-    validation mask over the kept documents. Returns counts."""
+    validation mask over the kept documents; `labels`: each shard's .labels file too (chat). Returns counts."""
     keep, removed = _decide(units, metas, dedup, deduper)
     n_kept = int(sum(int(k.sum()) for k in keep))
     is_val = is_val_of(n_kept)
     k = 0
-    with ShardWriter(out_dir / names[0], dtype) as train, ShardWriter(out_dir / names[1], dtype) as val:
+    with ShardWriter(out_dir / names[0], dtype) as train, ShardWriter(out_dir / names[1], dtype) as val, \
+            _labels(out_dir / names[0], labels) as train_labels, _labels(out_dir / names[1], labels) as val_labels:
         for meta, mask in zip(metas, keep):
             if not mask.any():
                 continue
             shard = TokenShard(unit_dir(units, meta["unit"]["index"]) / TOKENS)
+            unit_labels = (np.memmap(unit_dir(units, meta["unit"]["index"]) / LABELS, np.uint8, "r",
+                                     shape=(shard.n_tokens,)) if labels and shard.n_tokens else None)
             bounds = np.append(np.asarray(shard.doc_offsets), shard.n_tokens)
-            for split, writer in ((False, train), (True, val)):
+            for split, writer, lab in ((False, train, train_labels), (True, val, val_labels)):
                 chosen = np.flatnonzero(mask)[is_val[k:k + int(mask.sum())] == split]
                 _copy_documents(shard, bounds, chosen, writer)
+                if lab is not None:
+                    lab.add([unit_labels[int(bounds[j]):int(bounds[j + 1])] for j in chosen])
             k += int(mask.sum())
     return {"duplicates_removed": removed, "documents_kept": n_kept, "train_documents": int((~is_val).sum()),
             "val_documents": int(is_val.sum()), "train_tokens": train.n_tokens, "val_tokens": val.n_tokens}
+
+
+def _labels(bin_path: Path, wanted: bool):
+    return LabelWriter(labels_path(bin_path)) if wanted else contextlib.nullcontext()
 
 
 def _copy_documents(shard: TokenShard, bounds: np.ndarray, docs: np.ndarray, writer: ShardWriter,

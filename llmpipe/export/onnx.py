@@ -15,6 +15,11 @@ Three graphs, each with its own export function over the shared `_export_graph`:
   own `new.{i}.key/value` (batch, kv_heads, chunk, head_dim), which the caller writes into slots
   `position_ids` of its cache. Only batch and chunk are dynamic (ATC pins them too). The graph only
   reads the cache, so a decode loop never copies it.
+
+A chat run's template travels with the graphs: consolidate's copies (chat_template.jinja, hf/'s
+tokenizer_config.json) are checked against training's digest before anything is exported (an artifact
+whose template differs is refused, naming the file and both digests; llmpipe.checkpoint.template_digest),
+then chat_template.jinja is written beside the graphs and its digest recorded in the manifest.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import torch
 from torch import nn
 
 from llmpipe import device
+from llmpipe.checkpoint.template_digest import METRIC, TEMPLATE_FILE, check_folder, digest, training_digest
 from llmpipe.infer.graphs import (
     DECODER_FILE,
     EXTERNAL_DATA_BYTES,
@@ -348,6 +354,7 @@ def _load(ctx: StageContext) -> Transformer:
 def run(ctx: StageContext) -> StageResult:
     """The export_onnx stage: model.onnx (+ model.onnx.data) and parity.json in ctx.work_dir."""
     cfg = ctx.cfg.export
+    template = _chat_template(ctx)  # before any work: a drifted template is refused in a second
     model = _load(ctx)
     check_shapes(cfg.parity_shapes, model.args.max_seq_len, "export.parity_shapes")
     path = ctx.work_dir / MODEL_FILE
@@ -412,4 +419,15 @@ def run(ctx: StageContext) -> StageResult:
         else None,
         "export_seconds": round(export_s, 3),
     }
+    if template is not None:
+        (ctx.work_dir / TEMPLATE_FILE).write_text(template, encoding="utf-8")
+        outputs["chat_template"] = TEMPLATE_FILE
+        metrics[METRIC] = digest(template)
     return StageResult(outputs=outputs, metrics=metrics)
+
+
+def _chat_template(ctx: StageContext) -> str | None:
+    """consolidate's chat template (None for a text run), every copy checked against training's digest."""
+    folder, manifest = ctx.inputs["consolidate"]
+    training = training_digest(ctx.run_dir, manifest.metrics.get(METRIC), folder / "manifest.json")
+    return check_folder(folder, training)

@@ -26,7 +26,7 @@ says how a loaded graph differs from it, so a foreign graph is refused before it
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -297,10 +297,13 @@ class Generation:
 
 def generate(engine, ids: np.ndarray, max_new_tokens: int,
              pick: Callable[[np.ndarray], np.ndarray] = pick_tokens,
-             on_tokens: Callable[[np.ndarray], None] | None = None, stop_id: int | None = None) -> Generation:
+             on_tokens: Callable[[np.ndarray], None] | None = None, stop_id: int | Collection[int] | None = None,
+             stop: Callable[[], bool] | None = None) -> Generation:
     """Continue the prompt `ids` (B, T) by up to `max_new_tokens` tokens per row. `on_tokens` sees
-    each step's tokens (B,) as they are picked (streaming). With `stop_id`, a batch of one stops
-    after that token."""
+    each step's tokens (B,) as they are picked (streaming). With `stop_id` (one id or several: eos and a
+    chat template's end-of-turn tokens), a batch of one stops after such a token; `stop`, asked after
+    each step (after `on_tokens`), ends it too (a stop string seen in the text)."""
+    stops = {stop_id} if isinstance(stop_id, int) else set(stop_id or ())
     B, T = ids.shape
     if T + max_new_tokens > engine.capacity + 1:  # the last token is picked, never fed back
         raise CapacityError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds the context of "
@@ -316,7 +319,7 @@ def generate(engine, ids: np.ndarray, max_new_tokens: int,
         out.append(token)
         if on_tokens is not None:
             on_tokens(token)
-        if len(out) == max_new_tokens or (stop_id is not None and B == 1 and token[0] == stop_id):
+        if len(out) == max_new_tokens or (B == 1 and int(token[0]) in stops) or (stop is not None and stop()):
             break
         token = pick(engine.step(token))
         now = time.perf_counter()

@@ -15,8 +15,10 @@ loop writes nothing into it. What the loop uses:
     data_rank, data_world           which share of each global batch this rank reads
     micro_context(sync)             around a micro-step's forward + backward (sync=False: no gradient sync)
     sync_first_step                 whether a process's first step must sync every micro-step
-    forward_backward(x, y)          one micro-batch; the loss, or None where it is not seen (pipelines)
-    eval_loss_sum(x, y)             summed token losses without gradients, or None
+    forward_backward(x, y, doc_ids, scale)  one micro-batch; the loss, or None where it is not seen (pipelines)
+    eval_loss_sum(x, y, doc_ids)    summed token losses without gradients, or None
+                                    (doc_ids: packed conversations, passed to the model; scale: chat's loss
+                                    normalisation, see forward_backward)
     step(number)                    clip, optimizer step, schedule step; the global gradient norm
     skipped                         whether that step dropped its update (train.debug.nan_guard=skip)
     lr(), loss_scale()              for the logs
@@ -68,20 +70,28 @@ class Strategy:
     def data_world(self) -> int:
         return self.env.world
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
-        """One micro-batch: forward, mean token cross-entropy, backward. Returns the detached loss, or
-        None on a rank that does not see it (an early pipeline stage)."""
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                         scale: float | None = None) -> torch.Tensor | None:
+        """One micro-batch: forward, loss, backward. Returns the detached loss, or None on a rank that does
+        not see it (an early pipeline stage). The loss is the mean token cross-entropy, or with `scale`
+        (chat: targets -100 left out) the summed token losses x scale, where scale = data-parallel ranks x
+        accumulation steps / the targets of the whole optimizer step: after the strategy's division by
+        accumulation and the data-parallel mean, the gradient is that of the step's mean over its targets."""
         with self.forward_context():
-            logits = self.module(x)  # (B, T, vocab)
-        loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            logits = self.module(x) if doc_ids is None else self.module(x, doc_ids=doc_ids)  # (B, T, vocab)
+        if scale is None:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        else:
+            loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") * scale
         self.backward(loss)
         return loss.detach()
 
-    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         """Summed token cross-entropy of one batch (fp64; targets -100 left out), without gradients;
         None where not seen."""
         with torch.no_grad(), self.forward_context():
-            logits = self.module(x)
+            logits = self.module(x) if doc_ids is None else self.module(x, doc_ids=doc_ids)
         return token_loss_sum(logits, y)
 
     def backward(self, loss: torch.Tensor) -> None:

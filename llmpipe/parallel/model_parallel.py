@@ -69,10 +69,13 @@ class _StageLoss:
     def __init__(self, divisor: int):
         self.divisor = divisor
         self.summed = False  # evaluation: the summed token losses instead (targets -100 left out)
+        self.scale: float | None = None  # chat: summed token losses x scale (Strategy.forward_backward)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         if self.summed:
             return token_loss_sum(logits, targets)
+        if self.scale is not None:
+            return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten(), reduction="sum") * self.scale
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / self.divisor
 
 
@@ -147,20 +150,34 @@ class MeshStrategy(TorchOptimizerStrategy):
                 part.set_requires_gradient_sync(sync)
         return super().micro_context(sync)
 
-    def forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def forward_backward(self, x: torch.Tensor, y: torch.Tensor, doc_ids: torch.Tensor | None = None,
+                         scale: float | None = None) -> torch.Tensor | None:
         if self.schedule is None:
-            loss = F.cross_entropy(self.parts[0](x).float().flatten(0, 1), y.flatten())
+            logits = self.parts[0](x) if doc_ids is None else self.parts[0](x, doc_ids=doc_ids)
+            if scale is None:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+            else:
+                loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") * scale
             self.backward(loss)
             return loss.detach()
+        if doc_ids is not None:  # config load refuses data.packing with pp > 1
+            raise ValueError("packed sequences (doc_ids) cannot go through pipeline stages")
         losses: list[torch.Tensor] = []
-        self.schedule.step(x, target=y, losses=losses if self.has_loss else None, return_outputs=False)
-        # each entry is one pipeline micro-batch's mean loss / (microbatches x accum)
-        return torch.stack(losses).sum().detach() * self.accum if self.has_loss else None
+        self.stage_loss.scale = scale
+        try:
+            self.schedule.step(x, target=y, losses=losses if self.has_loss else None, return_outputs=False)
+        finally:
+            self.stage_loss.scale = None
+        if not self.has_loss:
+            return None
+        # each entry is one pipeline micro-batch's mean loss / (microbatches x accum), or its summed loss x scale
+        return torch.stack(losses).sum().detach() * (self.accum if scale is None else 1)
 
     @torch.no_grad()
-    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    def eval_loss_sum(self, x: torch.Tensor, y: torch.Tensor,
+                      doc_ids: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.schedule is None:
-            return token_loss_sum(self.parts[0](x), y)
+            return token_loss_sum(self.parts[0](x) if doc_ids is None else self.parts[0](x, doc_ids=doc_ids), y)
         losses: list[torch.Tensor] = []
         self.stage_loss.summed = True  # per pipeline micro-batch: summed token losses
         try:

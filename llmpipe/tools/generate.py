@@ -1,4 +1,5 @@
 """`llmpipe generate RUN --prompt TEXT`: text from a finished run, streamed as it is produced.
+`llmpipe generate RUN --chat QUESTION [--system TEXT]`: a chat run's answer, and only the answer.
 
 The run's tokenizer (consolidate's tokenizer.json) and one model variant:
 
@@ -12,6 +13,14 @@ Every file read is first checked against its stage's manifest (size and sha256),
 against what the decoding engine feeds and reads (llmpipe.infer.decode.graph_contract: a graph that
 matches a rewritten manifest is still refused when it is not the one export_onnx makes). The options
 are checked before anything is loaded (`check_options`, a ConfigError naming the option).
+
+The chat template is checked first of all, whatever the mode: every copy the chosen variant comes with
+(consolidate's chat_template.jinja and hf/tokenizer_config.json, export_onnx's chat_template.jinja)
+against training's digest (llmpipe.checkpoint.template_digest), so a drifted template is refused in one
+line before any model loads. --chat renders the system message (if any) and the question with the
+template and its generation prompt, with the bos/eos tokens training rendered with; generation stops at
+eos or an end-of-turn token (the template's end-of-turn strings that are one token), or when the text
+shows an end-of-turn string; only the answer is printed (the closing numbers go to stderr).
 """
 
 from __future__ import annotations
@@ -154,7 +163,7 @@ def _om_engine(run_dir: Path, args):
                         batch=int(cfg.get("decode_batch", 1)))
 
 
-def _check_prompt(prompt: str) -> None:
+def _check_prompt(prompt: str, option: str = "--prompt") -> None:
     """ConfigError unless `prompt` is text UTF-8 can carry: argv bytes that are not UTF-8 reach
     Python as lone surrogates (U+DC80..U+DCFF, the surrogateescape of each byte)."""
     try:
@@ -162,13 +171,20 @@ def _check_prompt(prompt: str) -> None:
     except UnicodeEncodeError as err:
         code = ord(prompt[err.start])
         what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"lone surrogate U+{code:04X}"
-        raise ConfigError(f"--prompt: not valid UTF-8 ({what} at character {err.start})") from None
+        raise ConfigError(f"{option}: not valid UTF-8 ({what} at character {err.start})") from None
 
 
 def check_options(prompt: str, max_new_tokens: int, temperature: float, top_k: int | None, top_p: float | None,
-                  seed: int | None, threads: int | None) -> None:
+                  seed: int | None, threads: int | None, chat: str | None = None, system: str | None = None) -> None:
     """ConfigError naming the first option out of its range; nothing is loaded before this."""
-    _check_prompt(prompt)
+    if chat is None:
+        _check_prompt(prompt)
+        if system is not None:
+            raise ConfigError("--system: only with --chat (a system message for the chat template)")
+    else:
+        _check_prompt(chat, "--chat")
+        if system is not None:
+            _check_prompt(system, "--system")
     if max_new_tokens < 1:
         raise ConfigError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
     if not (math.isfinite(temperature) and temperature >= 0):
@@ -200,36 +216,141 @@ class Streamer:
         self.shown = text
 
 
-def run_generate(run_dir: Path, prompt: str, max_new_tokens: int = 64, variant: str = "fp32",
-                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-                 seed: int | None = None, threads: int | None = None, out: TextIO | None = None) -> dict:
-    """Stream a continuation of `prompt` to `out` (default: sys.stdout at the call); returns the numbers of
-    the closing line."""
-    from llmpipe.infer.decode import CapacityError, generate, pick_tokens
+class ChatStreamer(Streamer):
+    """Prints an answer as it arrives and never an end-of-turn: a stop token is not printed, the text
+    stops before a stop string, and text that may still become one is held back until the next token
+    tells (`finish` prints what is held when generation ends otherwise)."""
 
-    check_options(prompt, max_new_tokens, temperature, top_k, top_p, seed, threads)
+    def __init__(self, tokenizer, out: TextIO, stop_ids: list[int], stop_strings: list[str]):
+        super().__init__(tokenizer, out)
+        self.stop_ids, self.stop_strings, self.done = set(stop_ids), [t for t in stop_strings if t], False
+
+    def _held(self, text: str) -> int:
+        """How many characters at the end of `text` begin a stop string."""
+        return max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+
+    def _show(self, text: str) -> None:
+        if len(text) > len(self.shown):
+            self.out.write(text[len(self.shown):])
+            self.out.flush()
+            self.shown = text
+
+    def __call__(self, tokens: np.ndarray) -> None:
+        token = int(tokens[0])
+        if self.done or token in self.stop_ids:
+            self.done = True
+            return
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        cuts = [i for i in (text.find(s) for s in self.stop_strings) if i >= 0]
+        if cuts:
+            self.done = True
+            self._show(text[:min(cuts)])
+        else:
+            self._show(text[:len(text) - self._held(text)])
+
+    def stop(self) -> bool:
+        return self.done
+
+    def finish(self) -> str:
+        if not self.done:
+            self._show(self.tokenizer.decode(self.ids))
+        return self.shown
+
+
+@dataclass
+class RunTemplate:
+    """A run's chat template and the bos/eos tokens training rendered conversations with."""
+
+    template: object  # llmpipe.chat.template.ChatTemplate
+    bos_token: str
+    eos_token: str
+
+
+def run_template(run_dir: Path, variant: str) -> RunTemplate | None:
+    """The run's chat template (None for a text run), after every copy `variant` comes with is checked
+    against training's digest: consolidate's, and export_onnx's for the graphs' variants."""
+    from llmpipe.chat.template import load_template
+    from llmpipe.checkpoint.template_digest import METRIC, RENDER, check_folder, mismatch, training_digest
+    from llmpipe.manifest import Manifest
+    from llmpipe.stages import stage_dir
+
+    folder, manifest = _stage(run_dir, "consolidate", "model", "run the pipeline first")
+    training = training_digest(run_dir, manifest.metrics.get(METRIC), folder / "manifest.json")
+    source = check_folder(folder, training)
+    export = stage_dir(run_dir, "export_onnx")
+    exported = Manifest.read(export) if variant != "torch" else None
+    if exported is not None:
+        if exported.metrics.get(METRIC) != training:
+            raise mismatch(export / "manifest.json", exported.metrics.get(METRIC), training)
+        check_folder(export, training)
+    if source is None:
+        return None
+    render = manifest.metrics.get(RENDER) or {}
+    return RunTemplate(load_template(source, str(folder / "chat_template.jinja")), str(render.get("bos_token", "")),
+                       str(render.get("eos_token", "")))
+
+
+def chat_prompt(chat: RunTemplate, question: str, system: str | None) -> str:
+    """The conversation so far as the model was trained to read it, up to where the assistant's answer begins."""
+    messages = [{"role": "system", "content": system}] if system is not None else []
+    return chat.template.render([*messages, {"role": "user", "content": question}], add_generation_prompt=True,
+                                bos_token=chat.bos_token, eos_token=chat.eos_token)
+
+
+def run_generate(run_dir: Path, prompt: str | None, max_new_tokens: int = 64, variant: str = "fp32",
+                 temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+                 seed: int | None = None, threads: int | None = None, out: TextIO | None = None, *,
+                 chat: str | None = None, system: str | None = None) -> dict:
+    """Stream a continuation of `prompt` to `out` (default: sys.stdout at the call), or with `chat` the
+    answer to that question alone; returns the numbers of the closing line."""
+    from llmpipe.infer.decode import CapacityError, generate, pick_tokens
+    from llmpipe.models.llama.hf_files import single_token_ids
+
+    check_options(prompt or "", max_new_tokens, temperature, top_k, top_p, seed, threads, chat, system)
+    option = "--prompt" if chat is None else "--chat"
+    template = run_template(Path(run_dir), variant)
+    if chat is not None and template is None:
+        raise GenerateError(f"--chat: {run_dir} has no chat template (it was trained on text, data.format: text); "
+                            "use --prompt")
     loaded = open_run(Path(run_dir), variant, threads)
     out = sys.stdout if out is None else out
-    ids = loaded.tokenizer.encode(prompt).ids
+    text = prompt if chat is None else chat_prompt(template, chat, system)
+    ids = loaded.tokenizer.encode(text).ids
     if not ids:
-        raise GenerateError("--prompt: empty after tokenization")
+        raise GenerateError(f"{option}: empty after tokenization")
     if len(ids) >= loaded.engine.capacity:
-        raise GenerateError(f"--prompt: {len(ids)} tokens, but the model's context ({loaded.describe}) holds "
+        raise GenerateError(f"{option}: {len(ids)} tokens, but the model's context ({loaded.describe}) holds "
                             f"{loaded.engine.capacity}; shorten the prompt")
     new = min(max_new_tokens, loaded.engine.capacity + 1 - len(ids))
     pick: Callable = partial(pick_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              rng=np.random.default_rng(seed))
-    out.write(prompt)
-    stream = Streamer(loaded.tokenizer, out)
+    eos = [loaded.eos_id] if loaded.eos_id is not None else []
+    if chat is None:
+        out.write(prompt)
+        stream, stops, stop = Streamer(loaded.tokenizer, out), eos, None
+    else:
+        end = template.template.end_of_turn
+        stops = [*eos, *single_token_ids(loaded.tokenizer, end)]
+        stream = ChatStreamer(loaded.tokenizer, out, stops, end)
+        stop = stream.stop
     try:
-        gen = generate(loaded.engine, np.array([ids], dtype=np.int64), new, pick, stream, stop_id=loaded.eos_id)
+        gen = generate(loaded.engine, np.array([ids], dtype=np.int64), new, pick, stream, stop_id=stops, stop=stop)
     except CapacityError as err:
         raise GenerateError(str(err)) from None
     n = gen.tokens.shape[1]
+    answer = stream.finish() if chat is not None else stream.tokenizer.decode(stream.ids)
     stats = {"variant": variant, "prompt_tokens": len(ids), "new_tokens": n, "ttft_ms": gen.ttft_s * 1e3,
-             "tokens_per_s": gen.decode_tokens_per_s(), "tokens": list(stream.ids),
-             "text": stream.tokenizer.decode(stream.ids)}
+             "tokens_per_s": gen.decode_tokens_per_s(), "tokens": gen.tokens[0].tolist() if chat is not None
+             else list(stream.ids), "text": answer}
     rate = f"{stats['tokens_per_s']:.1f} tokens/s" if stats["tokens_per_s"] else "- tokens/s"
-    out.write(f"\n[{loaded.describe}] prompt {len(ids)} tokens, {n} new tokens, time to first token "
-              f"{stats['ttft_ms']:.1f} ms, {rate} (decode, first token excluded)\n")
+    closing = (f"[{loaded.describe}] prompt {len(ids)} tokens, {n} new tokens, time to first token "
+               f"{stats['ttft_ms']:.1f} ms, {rate} (decode, first token excluded)\n")
+    if chat is None:
+        out.write("\n" + closing)
+    else:  # only the answer on `out`
+        out.write("\n")
+        sys.stderr.write(closing)
     return stats

@@ -143,8 +143,9 @@ def _llm_section(llm: dict[str, Any], folder: str) -> str:
     """Generation: TTFT and TPOT tables and plots, the definitions, one sample per engine."""
     tables = {k: _table([{c: r.get(c) for c in cols} for r in llm[k]]) for k, cols in _LLM_COLS.items()}
     defs = "".join(f"<li>{html.escape(d)}</li>" for d in llm.get("definitions", []))
-    samples = "".join(f"<h4>{html.escape(name)}</h4><pre>{html.escape(s['prompt'])}<b>{html.escape(s['text'])}"
-                      "</b></pre>" for name, s in llm.get("samples", {}).items())
+    chat = " (chat: the conversation as the template renders it, then the answer)"
+    samples = "".join(f"<h4>{html.escape(name)}{chat if s.get('chat') else ''}</h4><pre>{html.escape(s['prompt'])}"
+                      f"<b>{html.escape(s['text'])}</b></pre>" for name, s in llm.get("samples", {}).items())
     return (f"<h2>Benchmark: generation (cache of {llm.get('cache_len')} tokens)</h2>"
             f"<h3>Time to first token</h3>{tables['prefill']}<img alt='TTFT' src='{folder}/ttft.png'>"
             f"<h3>Decoding</h3>{tables['decode']}<img alt='TPOT' src='{folder}/tpot.png'>"

@@ -22,6 +22,7 @@ from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.checkpoint import state as ckpt_state
 from llmpipe.config import RunConfig
+from llmpipe.data.chat import ChatShard
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.data.shards import TokenShard
 from llmpipe.device import Env
@@ -55,10 +56,25 @@ def _reported_mean(local: torch.Tensor | None, env: Env) -> torch.Tensor:
     return pair[0] / pair[1] if pair[1] > 0 else torch.tensor(float("nan"))
 
 
-def _batch(shard: TokenShard, indices: np.ndarray, seq_len: int, device: torch.device):
+def _batch(shard: TokenShard | ChatShard, indices: np.ndarray, seq_len: int, device: torch.device):
+    """(inputs, targets, doc_ids) (B, T) each; doc_ids None but for packed conversations."""
+    if isinstance(shard, ChatShard):
+        return shard.batch(indices, device)
     rows = np.stack([shard.sample(int(i), seq_len) for i in indices])  # (B, T+1)
     t = torch.from_numpy(rows.astype(np.int64)).to(device, non_blocking=True)
-    return t[:, :-1], t[:, 1:]  # inputs (B, T), targets (B, T)
+    return t[:, :-1], t[:, 1:], None  # inputs (B, T), targets (B, T)
+
+
+def _shards(data_dir: Path, data_meta: dict, cfg: RunConfig) -> tuple[TokenShard | ChatShard, TokenShard | ChatShard]:
+    """The train and val shards: token windows, or conversations (data_meta's format chat: packed or
+    padded per data.packing, padding with EOS whose targets are ignored)."""
+    if data_meta.get("format", "text") != cfg.data.format:
+        raise TrainError(f"data.format={cfg.data.format} but the data folder {data_dir} holds "
+                         f"{data_meta.get('format', 'text')} shards")
+    if cfg.data.format == "chat":
+        return tuple(ChatShard(Path(data_dir) / name, cfg.data.seq_len, cfg.data.packing, data_meta["eos_id"])
+                     for name in ("train.bin", "val.bin"))
+    return TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
 
 
 IGNORE = -100  # a target F.cross_entropy leaves out: the padding of the last validation batches
@@ -91,10 +107,10 @@ def evaluate(strategy, shard: TokenShard, cfg: RunConfig, env: Env) -> float:
     indices, real = eval_indices(n, strategy.data_world, strategy.data_rank, mb)
     total = torch.zeros(2, device=env.device, dtype=torch.float64)  # (sum of token losses, tokens)
     for i in range(0, len(indices), mb):
-        x, y = _batch(shard, indices[i:i + mb], T, env.device)
+        x, y, doc_ids = _batch(shard, indices[i:i + mb], T, env.device)
         y = y.clone()  # a view of the same rows as x
         y[torch.from_numpy(~real[i:i + mb]).to(y.device)] = IGNORE
-        loss_sum = strategy.eval_loss_sum(x, y)
+        loss_sum = strategy.eval_loss_sum(x, y) if doc_ids is None else strategy.eval_loss_sum(x, y, doc_ids)
         if loss_sum is not None:  # None on a pipeline stage without the loss
             total[0] += loss_sum.double()
             total[1] += int((y != IGNORE).sum())
@@ -213,7 +229,7 @@ def train(cfg: RunConfig, data_dir: Path, out_dir: Path) -> dict[str, Any]:
     data_meta = json.loads((Path(data_dir) / "data_meta.json").read_text())
     if data_meta["seq_len"] != cfg.data.seq_len:
         raise TrainError(f"data.seq_len={cfg.data.seq_len} but the shards were packed for {data_meta['seq_len']}")
-    train_shard, val_shard = TokenShard(Path(data_dir) / "train.bin"), TokenShard(Path(data_dir) / "val.bin")
+    train_shard, val_shard = _shards(Path(data_dir), data_meta, cfg)
     strategy, args = _build(cfg, env, data_meta["vocab_size"])
     _start_checks(cfg, env, strategy)
     t = cfg.train
@@ -284,15 +300,18 @@ class _Loop:
         t, env, strategy = self.cfg.train, self.env, self.strategy
         lr = strategy.lr()
         total, seen = torch.zeros((), device=env.device), False
+        scale = self._loss_scale(consumed)
         for micro in range(t.grad_accum_steps):
             with profile.mark(profile.DATA):
-                x, y = _batch(self.train_shard, self.sampler.micro_batch_indices(consumed, micro, strategy.data_rank),
-                              self.cfg.data.seq_len, env.device)
+                x, y, doc_ids = _batch(self.train_shard,
+                                       self.sampler.micro_batch_indices(consumed, micro, strategy.data_rank),
+                                       self.cfg.data.seq_len, env.device)
             # Gradient sync is skipped on all but the last micro-step, except where the strategy
             # needs the first step of a process synchronous (DDP static_graph).
             sync = micro == t.grad_accum_steps - 1 or (strategy.sync_first_step and step == self.first_step)
             with strategy.micro_context(sync), profile.mark(profile.FORWARD_BACKWARD):
-                loss = strategy.forward_backward(x, y)
+                loss = strategy.forward_backward(x, y) if scale is None else \
+                    strategy.forward_backward(x, y, doc_ids=doc_ids, scale=scale)
             if loss is not None:  # None on a pipeline stage without the loss
                 total, seen = total + loss, True
         local = total / t.grad_accum_steps if seen else None
@@ -301,6 +320,15 @@ class _Loop:
         with profile.mark(profile.OPTIMIZER):
             grad_norm = strategy.step(step + 1)
         return {"step": step + 1, "loss": float(_reported_mean(local, env)), "lr": lr, "grad_norm": grad_norm}
+
+    def _loss_scale(self, consumed: int) -> float | None:
+        """Chat: data-parallel ranks x accumulation steps / the targets of the whole step (every rank counts
+        them from the sampler alone, no communication), so the step's loss is the mean over its targets;
+        None for text, whose every micro-batch has the same number of targets (its mean loss as before)."""
+        if not isinstance(self.train_shard, ChatShard):
+            return None
+        targets = int(self.train_shard.targets[self.sampler.positions(consumed, self.sampler.global_batch)].sum())
+        return self.strategy.data_world * self.cfg.train.grad_accum_steps / max(targets, 1)
 
     def _check_grads(self, done: int) -> None:
         """train.debug.check_grad_consistency_every: the replicas' synchronised gradients compared."""

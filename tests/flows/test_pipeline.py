@@ -88,6 +88,21 @@ def test_all_six_stages_run(first_run):
         assert Manifest.read(folder).verify(folder) is None
 
 
+def test_the_hf_folder_loads_in_transformers_with_the_run_s_eos_and_a_generation_config(first_run):
+    """Issue 24 item 6, on a pre-trained run: tokenizer_config.json, special_tokens_map.json and
+    generation_config.json sit beside config.json, and transformers reads the run's eos from them."""
+    transformers = pytest.importorskip("transformers")
+    _, run_dir, _ = first_run
+    hf = run_dir / "03_consolidate" / "hf"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf)
+    assert (tokenizer.eos_token, tokenizer.eos_token_id, tokenizer.pad_token, tokenizer.bos_token) == \
+           ("<|endoftext|>", 0, "<|endoftext|>", None)
+    assert tokenizer.chat_template is None and tokenizer.model_max_length == 512
+    assert transformers.GenerationConfig.from_pretrained(hf).eos_token_id == [0]
+    assert {"hf/tokenizer_config.json", "hf/special_tokens_map.json", "hf/generation_config.json"} <= \
+           set(Manifest.read(run_dir / "03_consolidate").outputs)
+
+
 def test_rerun_skips_every_stage(first_run):
     from flows.train_to_deploy import train_to_deploy
 

@@ -160,6 +160,9 @@ def test_zero_steps_then_consolidate_gives_back_the_pretrained_tensors_bitwise(h
     assert sorted(out) == sorted(n for n, _ in Transformer(hf.read_config(hf_folder)[0]).named_parameters())
     for name, tensor in out.items():
         assert torch.equal(tensor, weights.tensor(name)), name
+    # the folder's generation_config.json (transformers wrote bos 1, eos 2) is carried into hf/, after training's eos
+    generation = json.loads((cfg.run_dir() / "03_consolidate" / "hf" / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"]) == (1, [0, 2])
 
 
 def test_a_pretrained_model_runs_all_six_stages_and_onnx_equals_transformers(hf_folder, tmp_path):

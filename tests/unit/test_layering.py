@@ -175,6 +175,7 @@ def test_no_import_circles_in_llmpipe():
 # module is its own room (llmpipe.config -> "config"); a package's modules are its room.
 LAYERS = (
     {"llmpipe", "errors", "device", "debug", "lock", "mfu", "optim", "manifest", "attempts"},  # kernel
+    {"chat"},  # the chat template (jinja2's sandbox) and conversation sets: text in, text out
     {"models"},  # the architecture and its Hugging Face names
     {"config"},  # the typed config tree
     {"stages"},  # the stage contract: fingerprints, skip, partial folder, publish
@@ -185,6 +186,17 @@ LAYERS = (
     {"tools"},  # user tools outside the stages
     {"cli", "__main__"},
 )
+def test_the_chat_room_imports_only_the_errors_jinja2_and_the_standard_library():
+    """llmpipe.chat renders untrusted templates for data, training, export and serving alike: nothing heavy."""
+    allowed = {"llmpipe.errors", "llmpipe.chat"} | set(__import__("sys").stdlib_module_names)
+    found = {p.relative_to(LIB).as_posix(): sorted(m for m in _imports(p) if m.split(".")[0] != "jinja2" and
+                                                   m.split(".")[0] not in allowed and
+                                                   not any(m == a or m.startswith(a + ".") for a in allowed))
+             for p in (LIB / "chat").glob("*.py")}
+    assert "chat/template.py" in found
+    assert {k: v for k, v in found.items() if v} == {}
+
+
 # Imports that run back up, each with its reason (at most 3).
 BACK_ARROWS = {
     # config.from_dict runs its checks lazily; config_checks imports no config (no circle)

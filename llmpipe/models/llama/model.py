@@ -150,8 +150,10 @@ class Attention(nn.Module):
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.wo(out.transpose(1, 2).reshape(B, T, -1))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return self._attend(*self._qkv(x, cos, sin), mask=None)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal), or a bool (B, 1, T, T) one, True where a query may attend (packed documents)."""
+        return self._attend(*self._qkv(x, cos, sin), mask=mask)
 
     def forward_cached(self, x, cos, sin, mask, past: tuple[torch.Tensor, torch.Tensor] | None):
         """Attention over past keys/values plus this chunk; returns (out, (keys, values)) where the
@@ -218,8 +220,13 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps)
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None = None) -> torch.Tensor:
+        # NOTE: the mask goes by keyword only when there is one, so tensor parallel's PrepareModuleInput
+        # (positional layouts for x, cos, sin) and every wrapper see the unpacked call unchanged
+        a = self.attention(self.attention_norm(x), cos, sin) if mask is None else \
+            self.attention(self.attention_norm(x), cos, sin, mask=mask)
+        h = x + a
         return h + self.feed_forward(self.ffn_norm(h))
 
     def forward_cached(self, x, cos, sin, mask, past):
@@ -260,13 +267,23 @@ class Transformer(nn.Module):
             full = source(clean) if source is not None else init_tensor(self.args, clean, tuple(p.shape), seed)
             (assign or _copy)(p, full)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens (B, T) int64 -> logits (B, T, vocab); pipeline stages pass hidden states (B, T, d)."""
+    def forward(self, tokens: torch.Tensor, doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens (B, T) int64 -> logits (B, T, vocab); pipeline stages pass hidden states (B, T, d).
+
+        doc_ids (B, T) int64, for sequences packed with several documents (each a contiguous run of one
+        id): a token attends only to earlier tokens of its own document (a block-causal mask) and its
+        position restarts at 0 where its document starts, so each document is computed as if alone."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         T = h.shape[1]
-        cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
+        if doc_ids is None:
+            cos, sin = self.rope_cos[:T].to(h.dtype), self.rope_sin[:T].to(h.dtype)
+            mask = None
+        else:
+            positions, mask = document_positions_and_mask(doc_ids)
+            cos = self.rope_cos[positions].to(h.dtype).unsqueeze(1)  # (B, 1, T, hd)
+            sin = self.rope_sin[positions].to(h.dtype).unsqueeze(1)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin) if mask is None else layer(h, cos, sin, mask=mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
 
@@ -313,6 +330,20 @@ class Transformer(nn.Module):
             h = h + layer.feed_forward.forward_fused(layer.ffn_norm(h))
             new.append(kv)
         return self.output(self.norm(h)), new
+
+
+def document_positions_and_mask(doc_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """For packed documents, doc_ids (B, T): each token's position within its document (B, T) int64, and
+    the block-causal attention mask (B, 1, T, T) bool, True where query i may see key j (j <= i, same
+    document). Every row holds at least its own token, so SDPA never meets a fully masked row."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    starts = torch.ones_like(doc_ids, dtype=torch.bool)
+    starts[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values  # where each token's run began
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    mask = (doc_ids[:, :, None] == doc_ids[:, None, :]) & causal
+    return idx - first, mask.unsqueeze(1)
 
 
 _WRAPPED = "_checkpoint_wrapped_module."  # the prefix activation checkpointing's wrapper adds
