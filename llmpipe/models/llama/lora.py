@@ -135,6 +135,10 @@ def merged(names: dict[str, tuple[int, ...]], load: Callable[[str], torch.Tensor
     return shapes, load_merged
 
 
-def adapter_count(names: dict[str, tuple[int, ...]]) -> int:
-    """Adapter parameters among a checkpoint's tensors (name -> shape)."""
-    return sum(math.prod(s) for n, s in names.items() if is_adapter(n))
+def block_adapter_params(args, spec: LoraSpec) -> int:
+    """Adapter parameters in one transformer block of a model of `args` (ModelArgs): rank x (in + out)
+    per targeted layer."""
+    q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+    sizes = {"wq": args.dim + q, "wk": args.dim + kv, "wv": args.dim + kv, "wo": q + args.dim,
+             "w1": args.dim + args.ffn_dim, "w2": args.ffn_dim + args.dim, "w3": args.dim + args.ffn_dim}
+    return spec.rank * sum(sizes[t] for t in spec.targets)
