@@ -41,8 +41,9 @@ def runs(tmp_path_factory):
     def run(layout: str, name: str | None = None, **train):
         name = name or layout
         if name not in done:
-            cfg = _config(root, folder, name, nproc_per_node=2, max_steps=4, lora=LORA, optim={"lr": 1e-2},
-                          checkpoint={"every_steps": 2}, **LAYOUTS[layout], **train)
+            train = {"nproc_per_node": 2, "max_steps": 4, "lora": LORA, "optim": {"lr": 1e-2},
+                     "checkpoint": {"every_steps": 2}, **LAYOUTS[layout], **train}
+            cfg = _config(root, folder, name, **train)
             for s in ("prepare_data", "train", "consolidate"):
                 stages.run_stage(s, cfg)
             done[name] = cfg
