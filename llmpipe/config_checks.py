@@ -126,6 +126,12 @@ def check_model(cfg: RunConfig) -> None:
         # layer, B with a column-wise one) and the pipeline's stages to carry them; not built yet.
         raise ConfigError(f"train.lora: LoRA trains with data parallelism only (ddp, fsdp, zero), not with "
                           f"train.parallel.tp={p.tp} x pp={p.pp}; set both to 1")
+    if cfg.train.lora is not None and cfg.train.lora.dropout > 0 and cfg.train.activation_checkpointing:
+        # NOTE: the blocks are recomputed without replaying the RNG (preserve_rng_state=False), so the
+        # recomputed dropout masks would not be the forward's and the adapters' gradients would be wrong
+        raise ConfigError(f"train.lora.dropout={cfg.train.lora.dropout} does not work with "
+                          "train.activation_checkpointing (its recompute draws other dropout masks); "
+                          "set one of them to 0 / false")
     validate_layout(cfg, args, (p.dp or 1) * p.tp * p.pp)
     check_llm_bench(cfg, args)  # last, as the benchmark is the last stage
 

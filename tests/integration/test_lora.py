@@ -1,7 +1,8 @@
 """LoRA fine-tuning of a pretrained Hugging Face folder (model.init_from, the main use) under DDP, FSDP2
 and ZeRO-3 on two gloo ranks: the base weights stay bitwise the pretrained ones, only the adapters
 change and only they have optimizer state, a resumed run ends bitwise where the uninterrupted one does,
-and consolidate's merged model gives the logits PEFT gives from the base plus the adapter folder."""
+and consolidate's merged model gives the logits PEFT gives from the base plus the adapter folder (and
+the benchmark's reading of the checkpoint, merged the same way)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,8 @@ def test_the_merged_model_gives_the_logits_peft_gives_from_the_base_and_the_adap
     from peft import PeftModel
     from transformers import LlamaForCausalLM
 
+    from llmpipe.bench.quality import checkpoint_logits_model
+
     out = runs(layout).run_dir() / "03_consolidate"
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, [
@@ -102,5 +105,7 @@ def test_the_merged_model_gives_the_logits_peft_gives_from_the_base_and_the_adap
         base = LlamaForCausalLM.from_pretrained(runs.hf_folder).eval()
         before = base(x).logits
         peft = PeftModel.from_pretrained(base, out / "adapter").eval()(x).logits
+        checkpoint = checkpoint_logits_model(runs(layout).run_dir() / "02_train")(x)  # the benchmark's reference
     assert (merged - before).abs().max() > 1e-3  # the adapters moved the model
     torch.testing.assert_close(merged, peft, rtol=0, atol=PEFT_ATOL)
+    torch.testing.assert_close(checkpoint, merged, rtol=0, atol=PEFT_ATOL)

@@ -38,6 +38,13 @@ def test_lora_with_tensor_or_pipeline_parallel_is_refused_at_load(tmp_path):
                               "with train.parallel.tp=2 x pp=1; set both to 1")
 
 
+def test_lora_dropout_with_activation_checkpointing_is_refused_at_load(tmp_path):
+    with pytest.raises(config_mod.ConfigError) as err:
+        make_cfg(tmp_path, train__lora={"dropout": 0.1}, train__activation_checkpointing=True)
+    assert str(err.value) == ("config: train.lora.dropout=0.1 does not work with train.activation_checkpointing (its "
+                              "recompute draws other dropout masks); set one of them to 0 / false")
+
+
 def test_no_lora_leaves_the_train_fingerprint_as_it_was_and_lora_moves_it(tmp_path):
     plain = make_cfg(tmp_path)
     assert "lora" not in config_mod.result_section(plain, "train")  # what existing runs hashed
