@@ -311,6 +311,30 @@ class ScheduleSection(Section):
     min_lr_ratio: float = Res(0.1, ge=0, le=1, description="Final lr as a fraction of the peak.")
 
 
+LORA_TARGETS = ("wq", "wk", "wv", "wo", "w1", "w2", "w3")  # llmpipe.models.llama.lora.TARGETS
+
+
+class LoraSection(Section):
+    """LoRA: low-rank adapters on the named linear layers, every other weight frozen."""
+
+    rank: int = Res(8, gt=0, le=65536, description="Adapter rank r: A is (r, in), B is (out, r).")
+    alpha: float = Res(16.0, gt=0, description="Adapter scale numerator: the update is alpha / rank x B A.")
+    dropout: float = Res(0.0, ge=0, lt=1, description="Dropout on the adapters' input (as PEFT's lora_dropout).")
+    targets: list[str] = Res(["wq", "wk", "wv", "wo", "w1", "w2", "w3"], min_length=1, description=(
+        "Linear layers that get adapters, by llmpipe's names: wq wk wv wo (attention; Hugging Face's "
+        "q/k/v/o_proj), w1 w3 w2 (SwiGLU gate, up, down; gate_proj, up_proj, down_proj)."))
+
+    @field_validator("targets")
+    @classmethod
+    def _targets(cls, v: list[str]) -> list[str]:
+        unknown = [t for t in v if t not in LORA_TARGETS]
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} names no linear layer of the model (they are {', '.join(LORA_TARGETS)})")
+        if len(set(v)) != len(v):
+            raise ValueError(f"{[t for t in v if v.count(t) > 1][0]!r} is named twice")
+        return v
+
+
 class CheckpointSection(Section):
     every_steps: int = Op(50, ge=1, description="Save a checkpoint every N optimizer steps (and at the end).")
     keep_last: int = Op(3, ge=1, description="Checkpoints kept; older ones are removed (only after a "
@@ -384,6 +408,9 @@ class TrainSection(Section):
     compile: bool = Op(False, description="torch.compile each transformer block (after tensor parallel and "
                        "activation checkpointing, before data parallel) with the device's backend (inductor "
                        "on CPU and CUDA: needs a C++ compiler; torchair on NPU). Not with ZeRO-3 or tp > 1.")
+    lora: LoraSection | None = Res(None, added=True, description="LoRA fine-tuning (rank, alpha, "
+                                   "dropout, targets): adapters trained, every other weight frozen; null: full "
+                                   "fine-tuning. Data parallel (ddp, fsdp, zero 1/2/3) only: not with tp or pp > 1.")
     checkpoint: CheckpointSection = Op(default_factory=CheckpointSection)
     eval: EvalSection = Op(default_factory=EvalSection)
     log_every: int = Op(10, ge=1, description="Print a progress line every N steps.")

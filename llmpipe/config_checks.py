@@ -147,6 +147,17 @@ def check_model(cfg: RunConfig) -> None:
             raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.init_from's sliding_window={window}, "
                               "which llmpipe's full attention does not implement")
     p = cfg.train.parallel
+    if cfg.train.lora is not None and (p.tp > 1 or p.pp > 1):
+        # NOTE: tensor parallel would have to shard each adapter with its base layer (A with a row-wise
+        # layer, B with a column-wise one) and the pipeline's stages to carry them; not built yet.
+        raise ConfigError(f"train.lora: LoRA trains with data parallelism only (ddp, fsdp, zero), not with "
+                          f"train.parallel.tp={p.tp} x pp={p.pp}; set both to 1")
+    if cfg.train.lora is not None and cfg.train.lora.dropout > 0 and cfg.train.activation_checkpointing:
+        # NOTE: the blocks are recomputed without replaying the RNG (preserve_rng_state=False), so the
+        # recomputed dropout masks would not be the forward's and the adapters' gradients would be wrong
+        raise ConfigError(f"train.lora.dropout={cfg.train.lora.dropout} does not work with "
+                          "train.activation_checkpointing (its recompute draws other dropout masks); "
+                          "set one of them to 0 / false")
     validate_layout(cfg, args, (p.dp or 1) * p.tp * p.pp)
     check_llm_bench(cfg, args)  # last, as the benchmark is the last stage
 

@@ -88,9 +88,12 @@ def global_batch(cfg, world: int) -> int:
 
 
 def _groups(model: nn.Module) -> dict[tuple, list[tuple[str, nn.Parameter]]]:
-    """(decays, DTensor mesh) -> [(name, parameter)], in order of first appearance."""
+    """(decays, DTensor mesh) -> [(name, parameter)], in order of first appearance; trainable
+    parameters only (LoRA's frozen base has no optimizer state)."""
     groups: dict[tuple, list[tuple[str, nn.Parameter]]] = {}
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         mesh = p.device_mesh.mesh_dim_names if isinstance(p, DTensor) else None
         shape = getattr(p, "ds_shape", p.shape)  # a ZeRO-3 partitioned parameter's own shape
         groups.setdefault((len(shape) >= 2, mesh), []).append((name, p))

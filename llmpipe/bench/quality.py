@@ -24,6 +24,7 @@ from llmpipe.checkpoint import portable
 from llmpipe.config import GateSection, QualitySection
 from llmpipe.data.shards import TokenShard
 from llmpipe.models.llama import io as model_io
+from llmpipe.models.llama.lora import LoraSpec, merged
 from llmpipe.models.llama.model import Transformer
 from llmpipe.stages import StageError
 
@@ -236,6 +237,10 @@ def checkpoint_logits_model(train_dir: Path) -> Transformer:
         # NOTE: the weights only (DCP and ZeRO shards assembled into full tensors); ZeRO's reader
         # also rebuilds the optimizer moments, which it stores interleaved with the weights.
         state = portable.read_model(folder)
+        spec = LoraSpec.of(ckpt.read_meta(folder).get("lora"))
+        if spec is not None:  # LoRA: the adapters merged into their weights, as consolidate writes them
+            names, load = merged({k: tuple(v.shape) for k, v in state.items()}, state.__getitem__, spec.scale)
+            state = {n: load(n) for n in names}
     except (ValueError, KeyError, OSError) as err:  # a checkpoint is an input: never a traceback
         raise StageError(f"benchmark.quality: cannot read the training checkpoint {folder}: {err}") from None
     with torch.device("meta"):

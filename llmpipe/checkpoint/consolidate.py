@@ -8,6 +8,8 @@
                         tokenizer_config.json (special tokens, the chat template), special_tokens_map.json
                         and generation_config.json (llmpipe.models.llama.hf_files): what transformers'
                         AutoTokenizer / LlamaForCausalLM, vLLM and TGI load as it is
+    adapter/            LoRA runs (train.lora): the adapter alone in PEFT's folder format; the two
+                        weight files above hold the merged model, W + alpha/rank B A (checkpoint.adapter)
 
 The chat template is training's (prepare_data's chat_template.jinja), checked against the digest
 prepare_data recorded and recorded again in this stage's metrics (llmpipe.checkpoint.template_digest).
@@ -27,6 +29,7 @@ from safetensors import safe_open
 
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
+from llmpipe.checkpoint.adapter import Merge
 from llmpipe.checkpoint.dcp import consolidate_dcp
 from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.checkpoint.template_digest import METRIC, RENDER, TEMPLATE_FILE, digest, mismatch, read_template
@@ -35,6 +38,7 @@ from llmpipe.manifest import sha256_file
 from llmpipe.models.llama import hf
 from llmpipe.models.llama import io as model_io
 from llmpipe.models.llama.hf_files import GENERATION_CONFIG, TOKENIZER_CONFIG, hf_files, read_carried, write_hf_files
+from llmpipe.models.llama.lora import LoraSpec
 from llmpipe.models.llama.model import ModelArgs
 from llmpipe.stages import StageContext, StageError, StageResult
 
@@ -42,17 +46,22 @@ log = logging.getLogger("llmpipe.consolidate")
 
 
 def consolidate(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda n: n,
-                filename: str = model_io.WEIGHTS) -> dict:
-    """Stream a full checkpoint's model.safetensors into out_dir/filename with names mapped by `rename`."""
+                filename: str = model_io.WEIGHTS, transform=None) -> dict:
+    """Stream a full checkpoint's model.safetensors into out_dir/filename with names mapped by `rename`;
+    `transform(shapes, load) -> (shapes, load)`, when given, maps the stored tensors (by llmpipe name)
+    to those written (LoRA: the adapters merged). Every format's consolidator takes the same arguments."""
     dtype = dev.dtype(dtype_name)
     src = Path(checkpoint) / ckpt.MODEL
     with safe_open(str(src), framework="pt") as f:
-        names = sorted(f.keys())
-        specs = [(rename(n), tuple(f.get_slice(n).get_shape()), dtype) for n in names]
-        lookup = dict(zip((s[0] for s in specs), names))
-        write_streaming(out_dir / filename, specs, lambda name: f.get_tensor(lookup[name]).to(dtype),
+        shapes = {n: tuple(f.get_slice(n).get_shape()) for n in sorted(f.keys())}
+        load = f.get_tensor
+        if transform is not None:
+            shapes, load = transform(shapes, load)
+        specs = [(rename(n), s, dtype) for n, s in shapes.items()]
+        lookup = dict(zip((s[0] for s in specs), shapes))
+        write_streaming(out_dir / filename, specs, lambda name: load(lookup[name]).to(dtype),
                         metadata={"format": "pt"})
-    return {"tensors": len(names), "params": sum(torch.Size(s[1]).numel() for s in specs)}
+    return {"tensors": len(specs), "params": sum(torch.Size(s[1]).numel() for s in specs)}
 
 
 # checkpoint format (meta.json "format", a Strategy's `format`) -> the function that streams its weights
@@ -70,7 +79,9 @@ def run(ctx: StageContext) -> StageResult:
         raise StageError(f"consolidate: unsupported checkpoint format {meta.get('format')!r} in {checkpoint}")
     consolidate_fn = CONSOLIDATORS[meta["format"]]
     args = ModelArgs(**meta["model"])
-    stats = consolidate_fn(checkpoint, out, cfg.dtype)
+    spec = LoraSpec.of(meta.get("lora"))  # the checkpoint's own record: what was trained
+    merge = Merge(spec) if spec is not None else None
+    stats = consolidate_fn(checkpoint, out, cfg.dtype, transform=merge)
     model_io.write_args(out, args, cfg.dtype)
     tokenizer = ctx.input_path("prepare_data", "tokenizer")
     shutil.copyfile(tokenizer, out / model_io.TOKENIZER)
@@ -87,12 +98,16 @@ def run(ctx: StageContext) -> StageResult:
         metrics[RENDER] = {"bos_token": chat.get("bos_token", ""), "eos_token": chat.get("eos_token", eos_token)}
     if cfg.hf_layout:
         (out / "hf").mkdir()
-        consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name)
+        consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name, transform=merge)
         (out / "hf" / "config.json").write_text(
             json.dumps(hf.hf_config(args, cfg.dtype, data_meta.get("eos_id")), indent=2) + "\n")
         shutil.copyfile(tokenizer, out / "hf" / model_io.TOKENIZER)
         write_hf_files(out / "hf", folder_files(tokenizer, eos_token, args, template, ctx.cfg.model.init_from))
         outputs["hf"] = "hf"
+    if merge is not None:
+        merge.write_adapter(out, ctx.cfg.model.init_from)
+        outputs["adapter"] = "adapter"
+        metrics["lora"] = {**spec.to_dict(), "adapter_params": sum(t.numel() for t in merge.adapters.values())}
     log.info("consolidated step %d (%d tensors, %.2fM params) -> %s", meta["step"], stats["tensors"],
              stats["params"] / 1e6, out)
     return StageResult(outputs=outputs, metrics={**metrics, "bytes": (out / model_io.WEIGHTS).stat().st_size})

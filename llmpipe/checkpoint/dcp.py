@@ -83,15 +83,18 @@ def load_key(reader: FileSystemReader, key: str, meta: TensorStorageMetadata) ->
 
 
 def consolidate_dcp(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda n: n,
-                    filename: str = model_io.WEIGHTS) -> dict:
+                    filename: str = model_io.WEIGHTS, transform=None) -> dict:
     """Stream checkpoint/dcp's model tensors into out_dir/filename (names mapped by `rename`), cast
     to `dtype_name`. Same signature and result as consolidate.consolidate for format "full"."""
     dtype = dev.dtype(dtype_name)
     reader = MetadataOnceReader(Path(checkpoint) / DCP_DIR)
     tensors = model_tensors(reader)
-    specs = [(rename(n), tuple(m.size), dtype) for n, m in tensors.items()]
-    lookup = {new: old for new, old in zip((s[0] for s in specs), tensors)}
-    write_streaming(Path(out_dir) / filename, specs,
-                    lambda new: load_tensor(reader, lookup[new], tensors[lookup[new]]).to(dtype),
+    shapes = {n: tuple(m.size) for n, m in tensors.items()}
+    load = lambda n: load_tensor(reader, n, tensors[n])  # noqa: E731
+    if transform is not None:  # LoRA: the adapters merged into their weights
+        shapes, load = transform(shapes, load)
+    specs = [(rename(n), s, dtype) for n, s in shapes.items()]
+    lookup = {new: old for new, old in zip((s[0] for s in specs), shapes)}
+    write_streaming(Path(out_dir) / filename, specs, lambda new: load(lookup[new]).to(dtype),
                     metadata={"format": "pt"})
     return {"tensors": len(specs), "params": sum(torch.Size(s[1]).numel() for s in specs)}

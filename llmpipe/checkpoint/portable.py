@@ -71,13 +71,17 @@ def read_model(folder: Path) -> dict[str, torch.Tensor]:
 
 
 def _read_full(folder: Path, meta: dict) -> tuple[dict, dict]:
+    from llmpipe.models.llama.lora import LoraSpec, apply_lora
     from llmpipe.models.llama.model import ModelArgs, Transformer
     from llmpipe.optim import param_order
 
     model = load_file(str(folder / ckpt.MODEL))
     saved = torch.load(folder / OPTIM, map_location="cpu", weights_only=True)
     with torch.device("meta"):
-        names = param_order(Transformer(ModelArgs(**meta["model"])))  # the writer's optimizer order
+        writer = Transformer(ModelArgs(**meta["model"]))
+        if meta.get("lora"):  # its adapters, the rest frozen: the optimizer numbers the adapters alone
+            apply_lora(writer, LoraSpec.of(meta["lora"]))
+        names = param_order(writer)  # the writer's optimizer order
     ids = [i for g in saved["param_groups"] for i in g["params"]]
     if len(ids) != len(names):
         raise ValueError(f"{folder / OPTIM}: {len(ids)} optimizer parameters, the model has {len(names)}")

@@ -12,6 +12,11 @@ is decided once (`reads_own`), from what the checkpoint's meta.json records, nev
                         "dcp-nested" (torch's {"state", "param_groups"}) or "dcp-flat" (flattened by name)
     format "deepspeed"  deepspeed/ (DeepSpeed's files; the trainer state rides as its client state)
 
+LoRA (train.lora, recorded in meta.json): the frozen base weights are saved with the adapters, in
+every format (the base is a small share of a LoRA checkpoint's bytes beside nothing to verify it
+against, and every reader, consolidate and resharding work unchanged); the optimizer state is the
+adapters' alone.
+
 trainer_state.pt holds the counters (step, consumed_samples), torch's RNG state, the lr schedule, the
 loss scaler and, for dp x tp x pp, the layout that wrote it.
 """
@@ -51,6 +56,7 @@ class TrainState:
     engine: Any = None  # DeepSpeed's engine (format "deepspeed": it writes and reads its own files)
     hook: Any = None  # DDP's communication hook: per-rank state (PowerSGD's error feedback)
     extra: dict[str, Any] = field(default_factory=dict)  # written into trainer_state.pt as is
+    lora: dict[str, Any] | None = None  # train.lora as meta.json records it (None: every weight trained)
 
     @property
     def format(self) -> str:
@@ -65,8 +71,11 @@ def counters(step: int, consumed: int) -> dict[str, Any]:
 
 def meta(ts: TrainState, world: int, args, consumed: int, strategy_name: str) -> dict[str, Any]:
     """What meta.json records about the state (the formats and the world that wrote it)."""
-    return {"format": ts.format, "state_format": ts.state_format, "strategy": strategy_name,
-            "world_size": world, "model": args.to_dict(), "consumed_samples": consumed}
+    out = {"format": ts.format, "state_format": ts.state_format, "strategy": strategy_name,
+           "world_size": world, "model": args.to_dict(), "consumed_samples": consumed}
+    if ts.lora is not None:  # the adapters' names and scale: readers rebuild the model and merge by it
+        out["lora"] = ts.lora
+    return out
 
 
 def describe(cfg, data_dir: Path | None = None) -> dict[str, bytes | Path]:

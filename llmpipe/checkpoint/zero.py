@@ -84,6 +84,17 @@ class Layout:
     pieces: dict[str, list[tuple[int, int, int, int]]] = field(default_factory=dict)  # (rank, group, start, n)
     aliases: dict[str, str] = field(default_factory=dict)  # shared (tied) parameter -> the one stored
     buffers: dict[str, torch.Tensor] = field(default_factory=dict)
+    # frozen parameters (LoRA's base): not in the optimizer's flat groups but in the model states
+    # files, as zero_to_fp32 reads them: whole in the one file (ZeRO-1/2), or each rank's partition
+    # in its own file (ZeRO-3), concatenated then cut to size
+    frozen: dict[str, torch.Size] = field(default_factory=dict)
+    model_files: list[Path] = field(default_factory=list)
+
+    def frozen_tensor(self, name: str) -> torch.Tensor:
+        """One frozen parameter, full, fp32 (bf16 runs store it in bf16: DeepSpeed casts the module)."""
+        shape = self.frozen[name]
+        parts = [load_pt(f)["frozen_param_fragments"][name].reshape(-1) for f in self.model_files]
+        return torch.cat(parts)[:shape.numel()].float().view(shape)
 
 
 def deepspeed_dir(checkpoint: Path) -> Path:
@@ -169,8 +180,6 @@ def read_layout(checkpoint: Path) -> Layout:
     ds_dir = deepspeed_dir(checkpoint)
     files = _optim_files(ds_dir)
     model = load_pt(_model_file(ds_dir))
-    if model.get("frozen_param_shapes"):
-        raise ValueError(f"{ds_dir}: frozen parameters are not supported (llmpipe trains every parameter)")
     optim = load_pt(files[0])["optimizer_state_dict"]
     if "zero_stage" not in optim:
         raise ValueError(f"{files[0]}: not a ZeRO optimizer checkpoint (no zero_stage)")
@@ -180,6 +189,10 @@ def read_layout(checkpoint: Path) -> Layout:
         raise ValueError(f"{ds_dir}: ZeRO partition count {world}, but {len(files)} optimizer files")
     key = "fp32_flat_groups" if stage == 3 else "single_partition_of_fp32_groups"
     layout = Layout(stage, world, key, files, aliases=dict(model.get("shared_params") or {}))
+    if model.get("frozen_param_shapes"):
+        layout.frozen = {n: torch.Size(s) for n, s in model["frozen_param_shapes"].items()}
+        layout.model_files = ([ds_dir / f"zero_pp_rank_{r}_mp_rank_00_model_states.pt" for r in range(world)]
+                              if stage == 3 else [_model_file(ds_dir)])
     layout.buffers = {k: v.float() if v.is_floating_point() else v.clone()
                       for k, v in model["module"].items() if k in set(model["buffer_names"])}
     sizes = [t.numel() for t in optim[key]]
@@ -224,10 +237,17 @@ class _Partitions:
         return out.view(self.layout.shapes[name])
 
 
+def _full(layout: Layout, parts: _Partitions, name: str) -> torch.Tensor:
+    """Any stored tensor by name: a buffer, a frozen parameter, or a trained one (fp32 masters)."""
+    if name in layout.buffers:
+        return layout.buffers[name]
+    return layout.frozen_tensor(name) if name in layout.frozen else parts.tensor(name)
+
+
 def _tensor_specs(layout: Layout, dtype: torch.dtype) -> dict[str, tuple[str, tuple[int, ...], torch.dtype]]:
     """name -> (the stored tensor it comes from, shape, output dtype), for parameters, tied aliases
     and persistent buffers (integer buffers keep their dtype)."""
-    specs = {n: (n, tuple(s), dtype) for n, s in layout.shapes.items()}
+    specs = {n: (n, tuple(s), dtype) for n, s in {**layout.shapes, **layout.frozen}.items()}
     specs.update({alias: specs[src] for alias, src in layout.aliases.items() if src in specs})
     specs.update({n: (n, tuple(b.shape), dtype if b.is_floating_point() else b.dtype)
                   for n, b in layout.buffers.items()})
@@ -244,6 +264,8 @@ def read_full_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict[str
     first = load_pt(layout.files[0])["optimizer_state_dict"]
     states = first["optimizer_state_dict" if layout.stage == 3 else "base_optimizer_state"]["state"]
     model, optim = {}, {}
+    for name in layout.frozen:  # no optimizer state
+        model[name] = layout.frozen_tensor(name)
     for name in layout.shapes:
         model[name] = weights.tensor(name).clone()
         group = layout.pieces[name][0][1]
@@ -256,20 +278,23 @@ def read_full_state(checkpoint: Path) -> tuple[dict[str, torch.Tensor], dict[str
 
 
 def consolidate_zero(checkpoint: Path, out_dir: Path, dtype_name: str, rename=lambda n: n,
-                     filename: str = model_io.WEIGHTS, remap_bytes: int = REMAP_BYTES) -> dict:
+                     filename: str = model_io.WEIGHTS, transform=None, remap_bytes: int = REMAP_BYTES) -> dict:
     """Stream a DeepSpeed ZeRO checkpoint's fp32 master weights into out_dir/filename, names mapped by
     `rename` (the contract of llmpipe.checkpoint.consolidate.consolidate)."""
     layout = read_layout(checkpoint)
     parts = _Partitions(layout, remap_bytes)
     specs = _tensor_specs(layout, dev.dtype(dtype_name))
-    source = {rename(n): spec for n, spec in specs.items()}
+    shapes = {n: shape for n, (_, shape, _) in specs.items()}
+    read = lambda n: _full(layout, parts, specs[n][0])  # noqa: E731
+    if transform is not None:  # LoRA: the adapters merged into their weights
+        shapes, read = transform(shapes, read)
+    source = {rename(n): (n, shape, specs[n][2]) for n, shape in shapes.items()}
 
     def load(out_name: str) -> torch.Tensor:
-        src, _, dtype = source[out_name]
-        t = layout.buffers[src] if src in layout.buffers else parts.tensor(src)
-        return t.to(dtype)
+        name, _, dtype = source[out_name]
+        return read(name).to(dtype)
 
     write_streaming(Path(out_dir) / filename, [(name, shape, dtype) for name, (_, shape, dtype) in source.items()],
                     load, metadata={"format": "pt"})
-    return {"tensors": len(specs), "params": sum(torch.Size(s[1]).numel() for s in specs.values()),
+    return {"tensors": len(source), "params": sum(torch.Size(s[1]).numel() for s in source.values()),
             "zero_stage": layout.stage}

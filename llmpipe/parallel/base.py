@@ -124,7 +124,9 @@ class Strategy:
 
     def train_state(self) -> ckpt_state.TrainState:
         """What a checkpoint holds of this strategy (written and read by llmpipe.checkpoint.state)."""
-        return ckpt_state.TrainState(self.state_format, self.parts, self.opts, self.scheds, self.scaler)
+        lora = self.cfg.train.lora
+        return ckpt_state.TrainState(self.state_format, self.parts, self.opts, self.scheds, self.scaler,
+                                     lora=lora.model_dump() if lora is not None else None)
 
     def write_checkpoint(self, folder: Path, trainer_state: dict[str, Any], asynchronous: bool = False,
                          group=None) -> Any:
@@ -158,13 +160,14 @@ class Strategy:
         full = StateDictOptions(full_state_dict=True)
         for module, opt in self.state_modules():
             names = [clean_name(n) for n, _ in module.named_parameters()]
-            missing = [n for n in names if n not in model or n not in optim]
+            trained = [clean_name(n) for n, p in module.named_parameters() if p.requires_grad]  # LoRA: adapters
+            missing = [n for n in names if n not in model] + [n for n in trained if n not in optim]
             if missing:
                 raise ValueError(f"train.checkpoint.resume: the checkpoint has no {missing[0]} (or its optimizer "
                                  "state); it is not this model")
             set_model_state_dict(module, {n: model[n] for n in names}, options=full)
             osd = get_optimizer_state_dict(module, opt, options=full)  # this optimizer's groups, by name
-            osd["state"] = {n: optim[n] for n in names}
+            osd["state"] = {n: optim[n] for n in trained}
             set_optimizer_state_dict(module, opt, osd, options=full)
 
     flat_param_groups = False  # param groups hold flattened partitions (ZeRO), not the model's shapes

@@ -1,7 +1,8 @@
 """One builder for every layout, in one order (torchtitan's):
 
-    meta -> cut the pipeline stage -> tensor parallel -> activation checkpointing -> (compile) ->
-    data parallel on mesh["dp"] (FSDP2 `fully_shard` or `replicate`) -> allocate -> init or load
+    meta -> cut the pipeline stage -> tensor parallel -> LoRA adapters (train.lora; the rest frozen) ->
+    activation checkpointing -> (compile) -> data parallel on mesh["dp"] (FSDP2 `fully_shard` or
+    `replicate`) -> allocate -> init or load
 
 Nothing is allocated before the last two steps, so a rank only ever holds its own shards plus one
 full tensor at a time while initialising (each parameter's full value is drawn, or read from
@@ -20,6 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from llmpipe import device as dev
+from llmpipe.models.llama import lora
 from llmpipe.models.llama.hf import pretrained
 from llmpipe.models.llama.model import ModelArgs, Transformer, init_tensor
 from llmpipe.models.llama.parallelize import (
@@ -51,13 +53,15 @@ class BuildOptions:
     sequence_parallel: bool = False  # train.parallel.sequence_parallel (tp > 1)
     reshard_after_forward: bool = True  # train.parallel.reshard_after_forward (FSDP2)
     offload_param: str = "none"  # train.parallel.offload_param (ZeRO-3)
+    lora: lora.LoraSpec | None = None  # train.lora: adapters on these layers, every other weight frozen
 
     @classmethod
     def from_config(cls, cfg) -> BuildOptions:
         t, p = cfg.train, cfg.train.parallel
         return cls(seed=cfg.run.seed, model=cfg.model, activation_checkpointing=t.activation_checkpointing,
                    compile=t.compile, sequence_parallel=p.sequence_parallel,
-                   reshard_after_forward=p.reshard_after_forward, offload_param=p.offload_param)
+                   reshard_after_forward=p.reshard_after_forward, offload_param=p.offload_param,
+                   lora=lora.LoraSpec.of(t.lora))
 
 
 def build_part(opts: BuildOptions, env, args: ModelArgs, *, mesh: DeviceMesh | None = None, data: str = "none",
@@ -71,6 +75,8 @@ def build_part(opts: BuildOptions, env, args: ModelArgs, *, mesh: DeviceMesh | N
         pipeline.build_stage_module(model, stage, n_stages, layer_ids)
     if mesh is not None and "tp" in (mesh.mesh_dim_names or ()):
         tensor_parallel.apply(model, mesh, opts.sequence_parallel)
+    if opts.lora is not None:  # before data parallel, which must see what is frozen
+        lora.apply_lora(model, opts.lora)
     if opts.activation_checkpointing:
         apply_activation_checkpointing(model)
     if opts.compile:
@@ -82,9 +88,22 @@ def build_part(opts: BuildOptions, env, args: ModelArgs, *, mesh: DeviceMesh | N
         else:
             apply_replicate(model, mesh["dp"], param_dtype, reduce_dtype)
     model.to_empty(device=env.device)
-    init_weights(model, opts.seed, source=pretrained(opts.model, args))
+    init_weights(model, opts.seed, source=initial_values(opts, args, model))
     model.train()
     return model
+
+
+def initial_values(opts: BuildOptions, args: ModelArgs, model: Transformer):
+    """`source(name)` of every parameter's full initial value: model.init_from's weights (None: the
+    model's own seeded init), with LoRA's adapters drawn by llmpipe.models.llama.lora (seeded by name
+    too: the same values on every layout)."""
+    source = pretrained(opts.model, args)
+    if opts.lora is None:
+        return source
+    shapes = {n.replace("_checkpoint_wrapped_module.", ""): tuple(getattr(p, "ds_shape", p.shape))
+              for n, p in model.named_parameters()}
+    base = source or (lambda name: init_tensor(args, name, shapes[name], opts.seed))
+    return lora.init_source(shapes, opts.seed, base)
 
 
 def zero3_model(opts: BuildOptions, env, args: ModelArgs, ds_config: dict) -> Transformer:
@@ -102,10 +121,12 @@ def zero3_model(opts: BuildOptions, env, args: ModelArgs, ds_config: dict) -> Tr
     remote = "cpu" if opts.offload_param != "none" else None
     with deepspeed.zero.Init(config_dict_or_path=init_cfg, remote_device=remote):
         model = Transformer(args)
+        if opts.lora is not None:  # made inside zero.Init: the adapters are partitioned too
+            lora.apply_lora(model, opts.lora)
     if opts.activation_checkpointing:
         apply_activation_checkpointing(model)
     model.rope_cos, model.rope_sin = model.rope_cos.to(env.device), model.rope_sin.to(env.device)
-    source = pretrained(opts.model, args)
+    source = initial_values(opts, args, model)
     with torch.no_grad():
         for name, p in model.named_parameters():
             clean = name.replace("_checkpoint_wrapped_module.", "")

@@ -130,9 +130,10 @@ class ZeroStrategy(Strategy):
         for name, p in self.engine.module.named_parameters():
             n = clean_name(name)
             full = model[n].float()
-            safe_set_full_fp32_param(p, full)
-            for key in ("exp_avg", "exp_avg_sq"):
-                safe_set_full_optimizer_state(p, optim[n][key].float(), key)
+            if p.requires_grad:  # LoRA's frozen base has no master weight or moments
+                safe_set_full_fp32_param(p, full)
+                for key in ("exp_avg", "exp_avg_sq"):
+                    safe_set_full_optimizer_state(p, optim[n][key].float(), key)
             with torch.no_grad():
                 if hasattr(p, "ds_tensor"):
                     write_partition(p, full, self.env.rank, self.env.world)

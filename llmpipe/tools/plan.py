@@ -7,6 +7,9 @@ Memory follows what llmpipe keeps per device (AdamW, fp32 moments):
   zero   params w + grads w + fp32 master 4 + AdamW 8 (w = 4 fp32, 2 bf16/fp16, DeepSpeed casts the
          module); stage 1 shards master+AdamW over dp, stage 2 also grads, stage 3 also params.
   fsdp   fp32 params + grads + AdamW sharded: 16/dp B/param (no separate master).
+  lora   (train.lora) the frozen base counts its parameter bytes only (no gradient, master or AdamW
+         state); the adapters (rank x (in + out) per targeted layer) count all of the above, and the
+         step temporaries, unsharded gradients and gradient buffers are the adapters' size.
 tp divides the matrices (not the norms); pp gives each rank its stage's layers, the embedding to the
 first stage and the final norm and head to the last. Besides model states: `working` copies (bf16 casts of
 the weights, FSDP/ZeRO-3 gathered units, FSDP's unsharded gradients while accumulating), activations and
@@ -27,6 +30,7 @@ from llmpipe import device
 from llmpipe import mfu as mfu_mod
 from llmpipe.config import ConfigError, RunConfig
 from llmpipe.models.llama.flavors import model_args
+from llmpipe.models.llama.lora import LoraSpec, block_adapter_params
 from llmpipe.models.llama.model import ModelArgs, sdpa_enable_gqa
 from llmpipe.parallel import mesh, pipeline
 
@@ -147,6 +151,7 @@ class Setup:
     # the choices training makes on run.device (auto: planned as for the NPU, repeated k/v and foreach AdamW)
     gqa_in_sdpa: bool = True  # GQA k/v kept at n_kv_heads (SDPA's enable_gqa), not repeated to n_heads
     fused_adamw: bool = False  # torch's fused AdamW: no step temporaries
+    lora: LoraSpec | None = None  # train.lora: only the adapters are trained
 
     @property
     def world(self) -> int:
@@ -183,7 +188,8 @@ def setup_from_config(cfg: RunConfig, world_size: int | None = None) -> Setup:
                  bucket_cap_mb=par.bucket_cap_mb, reduce_bucket_size=par.reduce_bucket_size,
                  allgather_bucket_size=par.allgather_bucket_size, overlap_comm=par.overlap_comm,
                  contiguous_gradients=par.contiguous_gradients, reshard_after_forward=par.reshard_after_forward,
-                 gqa_in_sdpa=sdpa_enable_gqa(cfg.run.device), fused_adamw=device.fused_adamw({cfg.run.device}))
+                 gqa_in_sdpa=sdpa_enable_gqa(cfg.run.device), fused_adamw=device.fused_adamw({cfg.run.device}),
+                 lora=LoraSpec.of(t.lora))
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,16 @@ class Memory:
         return self.params + self.grads + self.optimizer
 
 
+def trained_params(s: Setup, st: StageParams) -> int:
+    """Parameters with gradients and optimizer state on this stage: all of them, or LoRA's adapters."""
+    return st.total if s.lora is None else st.layers * block_adapter_params(s.args, s.lora)
+
+
+def _adapters(s: Setup, st: StageParams) -> int:
+    """LoRA's adapter parameters on this stage (0 without LoRA): stored beside the base."""
+    return 0 if s.lora is None else trained_params(s, st)
+
+
 def _working_bytes(s: Setup, st: StageParams) -> int:
     half = not s.fp32
     if s.data == "ddp" and s.tp * s.pp == 1:  # torch DDP: autocast caches bf16 casts of the matrices
@@ -255,7 +271,8 @@ def _working_bytes(s: Setup, st: StageParams) -> int:
         return unit * st.block if s.zero_stage == 3 else 0
     gathered = unit * (st.embedding + st.head + (st.block if s.reshard_after_forward else st.layers * st.block))
     accumulating = (s.accum > 1) if s.pp == 1 else (s.microbatches > 1)
-    return gathered + (4 * st.total if accumulating else 0)  # unsharded fp32 grads until the last micro-step
+    return gathered + (4 * trained_params(s, st) if accumulating else 0)  # unsharded fp32 grads until the last
+    # micro-step
 
 
 def _step_bytes(s: Setup, n: int) -> int:
@@ -305,9 +322,11 @@ def _buffers(s: Setup, st: StageParams) -> int:
     if s.dp == 1:
         return 0
     if s.data == "ddp" and s.tp * s.pp == 1:  # two buckets in flight, never more than the gradients
-        return int(min(2 * s.bucket_cap_mb * MIB, 4 * st.total))
+        return int(min(2 * s.bucket_cap_mb * MIB, 4 * trained_params(s, st)))
     if s.data in ("ddp", "fsdp"):  # FSDP2 machinery: the largest unit's unsharded fp32 gradients and the
         # flat reduce input they are copied into, both alive during the copy (measured: build_memory.py)
+        if s.lora is not None:  # only the blocks' adapters have gradients
+            return 2 * 4 * block_adapter_params(s.args, s.lora)
         return 2 * 4 * max(st.block, st.embedding + st.head)
     w = 4 if s.fp32 else 2
     # NOTE: with contiguous_gradients DeepSpeed allocates the whole reduce bucket (two with overlap_comm in
@@ -323,14 +342,25 @@ def memory(s: Setup) -> list[Memory]:
     per = state_bytes_per_param(s.data, s.zero_stage, s.precision, s.dp, s.offload_optimizer, s.offload_param)
     out = []
     for r, st in enumerate(stage_params(s.args, s.tp, s.pp, s.virtual_stages, s.split_points)):
-        n = st.total
-        params, grads, opt = (int(per[k] * n) for k in ("params", "grads", "optimizer"))
+        n, trained = st.total + _adapters(s, st), trained_params(s, st)
+        params = int(per["params"] * n)
+        grads, opt = (int(per[k] * trained) for k in ("grads", "optimizer"))
         full, ckpt = int(_activation_bytes(s, r, False)), int(_activation_bytes(s, r, True))
         act = ckpt if s.checkpointing else full
-        working, buffers, step = _working_bytes(s, st), _buffers(s, st), _step_bytes(s, n)
+        working, buffers, step = _working_bytes(s, st), _buffers(s, st), _step_bytes(s, trained)
         out.append(Memory(r, params, grads, opt, working, full, ckpt, act, buffers,
-                          params + grads + opt + max(working + act, step) + buffers, int(per["host"] * n), step))
+                          params + grads + opt + max(working + act, step) + buffers,
+                          _host(s, per, n, trained), step))
     return out
+
+
+def _host(s: Setup, per: dict[str, float], n: int, trained: int) -> int:
+    """Bytes ZeRO offloads to host memory: the optimizer's (trained parameters) and the parameters'."""
+    if s.lora is None:
+        return int(per["host"] * n)
+    kept = state_bytes_per_param(s.data, s.zero_stage, s.precision, s.dp)  # before offloading
+    return int((kept["optimizer"] * trained if s.offload_optimizer else 0)
+               + (kept["params"] * n if s.offload_param else 0))
 
 
 def peak_memory(s: Setup) -> Memory:
@@ -362,10 +392,10 @@ def _comm(s: Setup, st: StageParams) -> tuple[int, float, int]:
     """(gradient bytes, bytes sent per step, collectives per step) for this device's stage."""
     if s.dp == 1:
         return 0, 0.0, 0
-    n, w = st.total, 4 if s.fp32 else 2
+    n, w, trained = st.total + _adapters(s, st), 4 if s.fp32 else 2, trained_params(s, st)
     # ZeRO reduces in the module's dtype (DeepSpeed's default communication_data_type); DDP reduces fp32
     # gradients and FSDP2/replicate reduce in fp32 (reduce_dtype), gathering parameters in param_dtype.
-    grad_bytes = n * (w if s.data == "zero" else 4)
+    grad_bytes = trained * (w if s.data == "zero" else 4)
     param_bytes = n * (4 if s.data == "ddp" else w)
     volume = sync_volume_bytes(s.data, s.zero_stage, grad_bytes, param_bytes, s.dp, s.accum, s.reshard_after_forward)
     units = st.layers + 1  # FSDP2/replicate: one collective per block and one for the root

@@ -1,0 +1,111 @@
+"""LoRA fine-tuning of a pretrained Hugging Face folder (model.init_from, the main use) under DDP, FSDP2
+and ZeRO-3 on two gloo ranks: the base weights stay bitwise the pretrained ones, only the adapters
+change and only they have optimizer state, a resumed run ends bitwise where the uninterrupted one does,
+and consolidate's merged model gives the logits PEFT gives from the base plus the adapter folder (and
+the benchmark's reading of the checkpoint, merged the same way)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmpipe import stages
+from llmpipe.checkpoint import io as ckpt
+from llmpipe.checkpoint import portable
+from llmpipe.models.llama import hf
+from llmpipe.models.llama.lora import is_adapter
+from tests.integration.test_init_from import _config, _save_hf
+
+pytestmark = pytest.mark.slow
+LORA = {"rank": 4, "alpha": 8, "targets": ["wq", "wv", "wo", "w2"]}
+LAYOUTS = {
+    "ddp": {"parallel": {"data": "ddp"}},
+    "fsdp": {"parallel": {"data": "fsdp"}},
+    "zero3": {"parallel": {"data": "zero", "zero_stage": 3}},
+}
+# fp32 logits of the merged weights (W + s B A, rounded once) against PEFT's W x + s B (A x): equal to
+# rounding, measured about 5e-7 on this model
+PEFT_ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """run(layout, name=layout, **train) -> the config of a LoRA fine-tune of one tiny HF folder on 2
+    ranks (4 steps, checkpoints at 2 and 4), trained and consolidated once per name."""
+    root = tmp_path_factory.mktemp("lora")
+    folder = _save_hf(root / "llama")
+    done: dict[str, object] = {}
+
+    def run(layout: str, name: str | None = None, **train):
+        name = name or layout
+        if name not in done:
+            train = {"nproc_per_node": 2, "max_steps": 4, "lora": LORA, "optim": {"lr": 1e-2},
+                     "checkpoint": {"every_steps": 2}, **LAYOUTS[layout], **train}
+            cfg = _config(root, folder, name, **train)
+            for s in ("prepare_data", "train", "consolidate"):
+                stages.run_stage(s, cfg)
+            done[name] = cfg
+        return done[name]
+
+    run.hf_folder = folder
+    return run
+
+
+def _checkpoint(cfg, step: int = 4) -> Path:
+    return ckpt.step_dir(cfg.run_dir() / "02_train" / "checkpoints", step)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lora_trains_the_adapters_alone_and_leaves_the_pretrained_weights_bitwise(runs, layout):
+    cfg = runs(layout)
+    state = portable.read(_checkpoint(cfg))  # the layout-free reader: full tensors by llmpipe name
+    args = hf.read_config(runs.hf_folder)[0]
+    pretrained = hf.HFWeights(runs.hf_folder, args, tied=False)
+    base = [n for n in state.model if not is_adapter(n)]
+    adapters = [n for n in state.model if is_adapter(n)]
+    assert len(adapters) == 2 * len(LORA["targets"]) * args.n_layers
+    for name in base:
+        assert torch.equal(state.model[name], pretrained.tensor(name)), name
+    assert sorted(state.optim) == sorted(adapters)  # AdamW's moments: the adapters' alone
+    assert all(state.model[n].abs().max() > 0 for n in adapters if ".lora_b." in n)  # B starts at zero
+
+
+def test_a_resumed_lora_run_ends_bitwise_where_the_uninterrupted_one_does(runs):
+    from safetensors.torch import load_file
+
+    ref = runs("ddp")
+    resumed = runs("ddp", "resumed", checkpoint={"every_steps": 2, "resume": str(_checkpoint(ref, 2))})
+    manifest = json.loads((resumed.run_dir() / "02_train" / "manifest.json").read_text())
+    assert manifest["metrics"]["resumed_from"] == 2
+    a, b = load_file(str(_checkpoint(ref) / ckpt.MODEL)), load_file(str(_checkpoint(resumed) / ckpt.MODEL))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa = torch.load(_checkpoint(ref) / ckpt.OPTIM, weights_only=True)["state"]
+    ob = torch.load(_checkpoint(resumed) / ckpt.OPTIM, weights_only=True)["state"]
+    assert oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_the_merged_model_gives_the_logits_peft_gives_from_the_base_and_the_adapter(runs, layout):
+    from peft import PeftModel
+    from transformers import LlamaForCausalLM
+
+    from llmpipe.bench.quality import checkpoint_logits_model
+
+    out = runs(layout).run_dir() / "03_consolidate"
+    config = json.loads((out / "adapter" / "adapter_config.json").read_text())
+    assert (config["r"], config["lora_alpha"], config["target_modules"]) == (4, 8.0, [
+        "down_proj", "o_proj", "q_proj", "v_proj"])
+    assert config["base_model_name_or_path"] == str(runs.hf_folder)
+    x = torch.randint(0, 300, (2, 24))
+    with torch.no_grad():
+        merged = LlamaForCausalLM.from_pretrained(out / "hf").eval()(x).logits
+        base = LlamaForCausalLM.from_pretrained(runs.hf_folder).eval()
+        before = base(x).logits
+        peft = PeftModel.from_pretrained(base, out / "adapter").eval()(x).logits
+        checkpoint = checkpoint_logits_model(runs(layout).run_dir() / "02_train")(x)  # the benchmark's reference
+    assert (merged - before).abs().max() > 1e-3  # the adapters moved the model
+    torch.testing.assert_close(merged, peft, rtol=0, atol=PEFT_ATOL)
+    torch.testing.assert_close(checkpoint, merged, rtol=0, atol=PEFT_ATOL)
