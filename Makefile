@@ -8,7 +8,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= llmpipe
 
-.PHONY: setup demo test lint bench clean-demo
+.PHONY: setup demo chat-demo test lint bench clean-demo
 
 setup: $(STAMP)
 
@@ -29,6 +29,12 @@ ARGS ?=
 
 demo: setup
 	$(VENV)/bin/llmpipe run configs/tiny.yaml $(ARGS)
+	$(VENV)/bin/llmpipe synth-chat artifacts/chat_demo
+
+# after `make demo`: LoRA chat fine-tuning of its model, then the held-out accuracy before and after
+chat-demo: setup
+	$(VENV)/bin/llmpipe run configs/tiny_chat.yaml $(ARGS)
+	$(PY) benchmarks/chat_demo.py
 
 test: setup
 	$(PY) -m pytest -q

@@ -135,11 +135,13 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("run")
     rep.add_argument("--artifacts-dir", default="artifacts")
 
-    synth = sub.add_parser("synth-chat", help="write the demo's conversation set (arithmetic and short facts, "
-                           "split by question) as OUT/train.jsonl and OUT/val.jsonl (held-out questions)")
+    synth = sub.add_parser("synth-chat", help="write the demo's conversation set (arithmetic, made-up-word "
+                           "instructions and short facts, split by question) as OUT/train.jsonl and "
+                           "OUT/val.jsonl (held-out questions)")
     synth.add_argument("out")
     synth.add_argument("--seed", type=int, default=0)
     synth.add_argument("--arithmetic", type=int, default=2000, help="distinct arithmetic questions")
+    synth.add_argument("--words", type=int, default=None, help="distinct made-up words (default: --arithmetic)")
     synth.add_argument("--val-fraction", type=float, default=0.1, help="share of questions held out")
     return p
 
@@ -380,7 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "synth-chat":
             from llmpipe.chat import synth
 
-            counts = synth.write(args.out, args.seed, args.arithmetic, args.val_fraction)
+            if args.arithmetic < 0 or (args.words or 0) < 0 or not 0 < args.val_fraction < 1:
+                raise ConfigError("synth-chat: --arithmetic and --words take counts >= 0, --val-fraction a share "
+                                  "between 0 and 1")
+            counts = synth.write(args.out, args.seed, args.arithmetic, args.val_fraction, args.words)
             print(f"{args.out}: train.jsonl {counts['train']} conversations, val.jsonl {counts['val']} (held out)")
             return 0
         from llmpipe.tools import report

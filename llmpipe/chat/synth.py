@@ -1,9 +1,18 @@
-"""A deterministic conversation set for the chat demo: arithmetic and short factual questions with
-one exact answer each, split train/held-out by question (a held-out question never appears in training,
-in any phrasing), so exact-match accuracy on the held-out set measures what SFT taught.
+"""A deterministic conversation set for the chat demo: questions with one exact answer each, split
+train/held-out by question (a held-out question never appears in training, in any phrasing), so
+exact-match accuracy on the held-out set measures what SFT taught.
 
-    make_conversations(seed, n_arithmetic, val_fraction) -> (train, held_out)   lists of {"messages": [...]}
-    llmpipe synth-chat OUT [--seed S] [--arithmetic N] [--val-fraction F]      -> OUT/train.jsonl, OUT/val.jsonl
+Families (`family(record)` names a record's):
+- arithmetic: `What is 17 + 25?` -> `42.` (sums and differences of 0..50, products of 0..12);
+- words: made-up words (`Repeat the word:\ntavoki` -> `tavoki.`, `Which word comes first?\ntavoki\nremu
+  \nsabe` -> `tavoki.`, ... last), split by the word asked for, so a held-out word is never an answer in
+  training: what generalises is the instruction (copying), not a memorised answer;
+- facts: short factual questions (`What is the capital of France?` -> `Paris.`): a held-out fact
+  cannot be inferred from the others, so these measure memorisation in training and little else.
+
+    make_conversations(seed, n_arithmetic, val_fraction, n_words) -> (train, held_out)
+    llmpipe synth-chat OUT [--seed S] [--arithmetic N] [--words N] [--val-fraction F]
+        -> OUT/train.jsonl, OUT/val.jsonl (JSON lines of {"messages": [...]})
 """
 
 from __future__ import annotations
@@ -50,21 +59,61 @@ def _arithmetic(rng: random.Random, n: int) -> list[tuple[str, str, str]]:
     return out
 
 
+_SYLLABLES = [c + v for c in "bdfgklmnprstvz" for v in "aeiou"]
+# each word on a line of its own: a byte-level BPE splits a word after a space differently from the same
+# word at the start of a line (the answer's), so the answer is then a copy of the question's tokens
+_WORD_PHRASES = {
+    "repeat": ("Repeat the word:\n{w}", "Say this word:\n{w}"),
+    "first": ("Which word comes first?\n{w}\n{x}\n{y}",),
+    "last": ("Which word comes last?\n{x}\n{y}\n{w}",),
+}
+
+
+def _words(rng: random.Random, n: int) -> list[str]:
+    """n distinct made-up words of 2 or 3 syllables."""
+    seen: dict[str, None] = {}
+    while len(seen) < n:
+        seen.setdefault("".join(rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))))
+    return list(seen)
+
+
+def _word_questions(rng: random.Random, words: list[str], held: set[str]) -> list[tuple[str, str, str]]:
+    """One (key, question, answer) per word, the key being the word answered; the other words of a
+    question are drawn from the training side only."""
+    pool = [w for w in words if w not in held]
+    out = []
+    for w in words:
+        family = rng.choice(sorted(_WORD_PHRASES))
+        x, y = [p for p in rng.sample(pool, min(3, len(pool))) if p != w][:2] if len(pool) > 2 else ("", "")
+        out.append((f"word:{w}", rng.choice(_WORD_PHRASES[family]).format(w=w, x=x, y=y), f"{w}."))
+    return out
+
+
+def family(record: dict) -> str:
+    """arithmetic, words or facts: which family a conversation of this set belongs to."""
+    question = record["messages"][-2]["content"]
+    if any(question == q for q, _ in FACTS):
+        return "facts"
+    return "arithmetic" if any(ch.isdigit() for ch in question) else "words"
+
+
 def _record(question: str, answer: str, system: bool) -> dict:
     messages = ([{"role": "system", "content": SYSTEM}] if system else []) + \
         [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
     return {"messages": messages}
 
 
-def make_conversations(seed: int = 0, n_arithmetic: int = 2000,
-                       val_fraction: float = 0.1) -> tuple[list[dict], list[dict]]:
+def make_conversations(seed: int = 0, n_arithmetic: int = 2000, val_fraction: float = 0.1,
+                       n_words: int | None = None) -> tuple[list[dict], list[dict]]:
     """(train, held_out) conversations, the same for the same arguments on any machine. Half carry the
-    system message. Held-out questions (by key) are never in train."""
+    system message. Held-out questions (by key) are never in train. n_words defaults to n_arithmetic."""
     rng = random.Random(seed)
+    words = _words(rng, n_arithmetic if n_words is None else n_words)
     items = [(k, q, a) for k, q, a in _arithmetic(rng, n_arithmetic)] + [(q, q, a) for q, a in FACTS]
-    keys = sorted({k for k, _, _ in items})
+    keys = sorted({k for k, _, _ in items} | {f"word:{w}" for w in words})
     rng.shuffle(keys)
     held = set(keys[:max(1, round(val_fraction * len(keys)))])
+    items += _word_questions(rng, words, {k[5:] for k in held if k.startswith("word:")})
     train, val = [], []
     for i, (key, q, a) in enumerate(items):
         (val if key in held else train).append(_record(q, a, system=i % 2 == 0))
@@ -72,11 +121,12 @@ def make_conversations(seed: int = 0, n_arithmetic: int = 2000,
     return train, val
 
 
-def write(out: str | Path, seed: int = 0, n_arithmetic: int = 2000, val_fraction: float = 0.1) -> dict[str, int]:
+def write(out: str | Path, seed: int = 0, n_arithmetic: int = 2000, val_fraction: float = 0.1,
+          n_words: int | None = None) -> dict[str, int]:
     """OUT/train.jsonl and OUT/val.jsonl (JSON lines of {"messages": [...]}); returns their counts."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    train, val = make_conversations(seed, n_arithmetic, val_fraction)
+    train, val = make_conversations(seed, n_arithmetic, val_fraction, n_words)
     for name, rows in (("train.jsonl", train), ("val.jsonl", val)):
         tmp = out / f".{name}.tmp"
         tmp.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")

@@ -25,6 +25,7 @@ shows an end-of-turn string; only the answer is printed (the closing numbers go 
 
 from __future__ import annotations
 
+import io
 import math
 import sys
 from collections.abc import Callable
@@ -300,6 +301,37 @@ def chat_prompt(chat: RunTemplate, question: str, system: str | None) -> str:
                                 bos_token=chat.bos_token, eos_token=chat.eos_token)
 
 
+def chat_stops(loaded: Loaded, chat: RunTemplate) -> tuple[list[int], list[str]]:
+    """What ends an answer: eos and the template's single-token end-of-turn (ids), its end-of-turn strings."""
+    from llmpipe.models.llama.hf_files import single_token_ids
+
+    end = chat.template.end_of_turn
+    eos = [loaded.eos_id] if loaded.eos_id is not None else []
+    return [*eos, *single_token_ids(loaded.tokenizer, end)], end
+
+
+def ask(loaded: Loaded, chat: RunTemplate, question: str, system: str | None = None,
+        max_new_tokens: int = 32) -> str:
+    """The greedy answer of an opened run to one question in the chat template `chat` (what
+    `generate --chat` prints), for evaluations that ask many."""
+    from llmpipe.infer.decode import generate
+
+    ids = loaded.tokenizer.encode(chat_prompt(chat, question, system)).ids
+    new = min(max_new_tokens, loaded.engine.capacity + 1 - len(ids))
+    if not ids or new < 1:
+        raise GenerateError(f"{question[:40]!r}: {len(ids)} prompt tokens do not leave room for an answer in the "
+                            f"model's context ({loaded.engine.capacity})")
+    stop_ids, stop_strings = chat_stops(loaded, chat)
+    stream = ChatStreamer(loaded.tokenizer, io.StringIO(), stop_ids, stop_strings)
+    generate(loaded.engine, np.array([ids], dtype=np.int64), new, pick_greedy, stream, stop_id=stop_ids,
+             stop=stream.stop)
+    return stream.finish()
+
+
+def pick_greedy(logits: np.ndarray) -> np.ndarray:
+    return logits.argmax(-1)
+
+
 def run_generate(run_dir: Path, prompt: str | None, max_new_tokens: int = 64, variant: str = "fp32",
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, threads: int | None = None, out: TextIO | None = None, *,
@@ -307,7 +339,6 @@ def run_generate(run_dir: Path, prompt: str | None, max_new_tokens: int = 64, va
     """Stream a continuation of `prompt` to `out` (default: sys.stdout at the call), or with `chat` the
     answer to that question alone; returns the numbers of the closing line."""
     from llmpipe.infer.decode import CapacityError, generate, pick_tokens
-    from llmpipe.models.llama.hf_files import single_token_ids
 
     check_options(prompt or "", max_new_tokens, temperature, top_k, top_p, seed, threads, chat, system)
     option = "--prompt" if chat is None else "--chat"
@@ -327,13 +358,12 @@ def run_generate(run_dir: Path, prompt: str | None, max_new_tokens: int = 64, va
     new = min(max_new_tokens, loaded.engine.capacity + 1 - len(ids))
     pick: Callable = partial(pick_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
                              rng=np.random.default_rng(seed))
-    eos = [loaded.eos_id] if loaded.eos_id is not None else []
     if chat is None:
         out.write(prompt)
-        stream, stops, stop = Streamer(loaded.tokenizer, out), eos, None
+        stops = [loaded.eos_id] if loaded.eos_id is not None else []
+        stream, stop = Streamer(loaded.tokenizer, out), None
     else:
-        end = template.template.end_of_turn
-        stops = [*eos, *single_token_ids(loaded.tokenizer, end)]
+        stops, end = chat_stops(loaded, template)
         stream = ChatStreamer(loaded.tokenizer, out, stops, end)
         stop = stream.stop
     try:

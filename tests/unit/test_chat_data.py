@@ -5,6 +5,8 @@ conversation as if alone (the loss of a packed batch equals the unpacked one's).
 from __future__ import annotations
 
 import json
+import re
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmpipe.chat.synth import make_conversations
+from llmpipe.chat.synth import family, make_conversations
 from llmpipe.chat.template import builtin_template
 from llmpipe.data import chat
 from llmpipe.data.readers import ChatRecords, ErrorLog, Unit, read_unit
@@ -184,8 +186,20 @@ def test_the_conversation_set_is_deterministic_and_splits_by_question():
     assert (train, val) == make_conversations(seed=3, n_arithmetic=200, val_fraction=0.2)
     questions = {r["messages"][-2]["content"] for r in train}
     assert not questions & {r["messages"][-2]["content"] for r in val}
-    assert len(train) + len(val) == 200 + 24 and 30 <= len(val) <= 60
+    assert len(train) + len(val) == 200 + 200 + 24 and 60 <= len(val) <= 110
     for r in train + val:
         assert chat.check_messages(r["messages"])[1] == ""
-    sums = [r for r in train if r["messages"][-2]["content"] == "What is 17 + 25?"]
-    assert all(r["messages"][-1]["content"] == "42." for r in sums)
+    families = Counter(family(r) for r in train + val)
+    assert families == {"arithmetic": 200, "words": 200, "facts": 24}
+    for r in train + val:  # every answer is right
+        q, a = r["messages"][-2]["content"], r["messages"][-1]["content"]
+        if family(r) == "arithmetic":
+            x, op, y = re.search(r"(\d+) ([-+*]) (\d+)", q).groups()
+            assert a == f"{eval(f'{int(x)} {op} {int(y)}')}.", q  # noqa: S307 (two ints and an operator)
+        elif family(r) == "words":
+            words = q.split("\n")[1:]
+            want = words[-1] if "last" in q else words[0]
+            assert a == f"{want}.", q
+    # a held-out word is never an answer in training
+    answers = {r["messages"][-1]["content"] for r in train}
+    assert not {r["messages"][-1]["content"] for r in val if family(r) == "words"} & answers

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
+import yaml
 
 from llmpipe import config as config_mod
 from llmpipe.config import ConfigError
@@ -77,6 +82,21 @@ def test_run_dir_cannot_escape_artifacts(tmp_path):
 
 
 @pytest.mark.parametrize("path", sorted((ROOT / "configs").glob("*.yaml")), ids=lambda p: p.name)
-def test_every_shipped_config_validates(path):
+def test_every_shipped_config_validates(path, tmp_path, monkeypatch):
+    init_from = (yaml.safe_load(path.read_text())["model"] or {}).get("init_from")
+    if init_from:  # tiny_chat.yaml starts from the demo's hf/ folder: one like it, where the config looks
+        from safetensors.torch import save_file
+
+        from llmpipe.data.tokenizer import train_tokenizer
+        from llmpipe.models.llama import FLAVORS, Transformer, hf
+
+        monkeypatch.chdir(tmp_path)
+        folder = Path(init_from)
+        folder.mkdir(parents=True)
+        args = replace(FLAVORS["debug"], vocab_size=300, max_seq_len=256)
+        model = Transformer(args)
+        save_file({hf.to_hf_name(k): v.contiguous() for k, v in model.state_dict().items()}, str(folder / hf.SINGLE))
+        (folder / hf.CONFIG_JSON).write_text(json.dumps(hf.hf_config(args, "fp32")))
+        train_tokenizer(["def main(argv):\n    return len(argv)\n"] * 4, 300).save(str(folder / "tokenizer.json"))
     cfg = config_mod.load(path)
     assert cfg.run_dir().parent.name == "artifacts"
