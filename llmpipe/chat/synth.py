@@ -7,6 +7,8 @@ Families (`family(record)` names a record's):
 - words: made-up words (`Repeat the word:\ntavoki` -> `tavoki.`, `Which word comes first?\ntavoki\nremu
   \nsabe` -> `tavoki.`, ... last), split by the word asked for, so a held-out word is never an answer in
   training: what generalises is the instruction (copying), not a memorised answer;
+- classify: `Is 4817 even or odd?` -> `Odd.`, `Is this a number or a word?\ntavoki` -> `A word.`
+  (split by what is shown; the answer is one of two, read off the question);
 - facts: short factual questions (`What is the capital of France?` -> `Paris.`): a held-out fact
   cannot be inferred from the others, so these measure memorisation in training and little else.
 
@@ -89,11 +91,30 @@ def _word_questions(rng: random.Random, words: list[str], held: set[str]) -> lis
     return out
 
 
+def _classify_questions(rng: random.Random, n: int) -> list[tuple[str, str, str]]:
+    """n (key, question, answer) that sort what they are shown into two kinds: a number's parity, and
+    whether a line is a number or a (made-up) word; the key is what is shown."""
+    numbers = rng.sample(range(10_000), n)
+    words = _words(rng, n)
+    out = []
+    for i in range(n):
+        k = numbers[i]
+        if i % 2 == 0:
+            out.append((f"parity:{k}", f"Is {k} even or odd?", "Even." if k % 2 == 0 else "Odd."))
+        else:
+            x = str(k) if rng.random() < 0.5 else words[i]
+            out.append((f"kind:{x}", f"Is this a number or a word?\n{x}",
+                        "A number." if x.isdigit() else "A word."))
+    return out
+
+
 def family(record: dict) -> str:
-    """arithmetic, words or facts: which family a conversation of this set belongs to."""
+    """arithmetic, words, classify or facts: which family a conversation of this set belongs to."""
     question = record["messages"][-2]["content"]
     if any(question == q for q, _ in FACTS):
         return "facts"
+    if question.endswith("even or odd?") or question.startswith("Is this a number or a word?"):
+        return "classify"
     return "arithmetic" if any(ch.isdigit() for ch in question) else "words"
 
 
@@ -106,10 +127,12 @@ def _record(question: str, answer: str, system: bool) -> dict:
 def make_conversations(seed: int = 0, n_arithmetic: int = 2000, val_fraction: float = 0.1,
                        n_words: int | None = None) -> tuple[list[dict], list[dict]]:
     """(train, held_out) conversations, the same for the same arguments on any machine. Half carry the
-    system message. Held-out questions (by key) are never in train. n_words defaults to n_arithmetic."""
+    system message. Held-out questions (by key) are never in train. n_words (made-up words asked for, and
+    as many classify questions) defaults to n_arithmetic."""
     rng = random.Random(seed)
     words = _words(rng, n_arithmetic if n_words is None else n_words)
-    items = [(k, q, a) for k, q, a in _arithmetic(rng, n_arithmetic)] + [(q, q, a) for q, a in FACTS]
+    items = [*_arithmetic(rng, n_arithmetic), *[(q, q, a) for q, a in FACTS],
+             *_classify_questions(rng, len(words))]
     keys = sorted({k for k, _, _ in items} | {f"word:{w}" for w in words})
     rng.shuffle(keys)
     held = set(keys[:max(1, round(val_fraction * len(keys)))])

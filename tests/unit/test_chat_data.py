@@ -186,16 +186,20 @@ def test_the_conversation_set_is_deterministic_and_splits_by_question():
     assert (train, val) == make_conversations(seed=3, n_arithmetic=200, val_fraction=0.2)
     questions = {r["messages"][-2]["content"] for r in train}
     assert not questions & {r["messages"][-2]["content"] for r in val}
-    assert len(train) + len(val) == 200 + 200 + 24 and 60 <= len(val) <= 110
+    assert len(train) + len(val) == 200 + 200 + 200 + 24 and 90 <= len(val) <= 160
     for r in train + val:
         assert chat.check_messages(r["messages"])[1] == ""
     families = Counter(family(r) for r in train + val)
-    assert families == {"arithmetic": 200, "words": 200, "facts": 24}
+    assert families == {"arithmetic": 200, "words": 200, "classify": 200, "facts": 24}
     for r in train + val:  # every answer is right
         q, a = r["messages"][-2]["content"], r["messages"][-1]["content"]
         if family(r) == "arithmetic":
             x, op, y = re.search(r"(\d+) ([-+*]) (\d+)", q).groups()
             assert a == f"{eval(f'{int(x)} {op} {int(y)}')}.", q  # noqa: S307 (two ints and an operator)
+        elif family(r) == "classify":
+            shown = q.split("\n")[-1] if "\n" in q else q.split()[1]
+            assert a == (("Even." if int(shown) % 2 == 0 else "Odd.") if "odd" in q
+                         else "A number." if shown.isdigit() else "A word."), q
         elif family(r) == "words":
             words = q.split("\n")[1:]
             want = words[-1] if "last" in q else words[0]
