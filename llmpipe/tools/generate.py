@@ -51,7 +51,7 @@ class GenerateError(UserError):
 class Loaded:
     engine: object
     tokenizer: object
-    eos_id: int | None
+    eos_ids: list[int]  # what ends a generation: the run's eos token(s)
     describe: str
 
 
@@ -102,6 +102,21 @@ def _cache_len(folder: Path, manifest) -> int:
     return length
 
 
+def _eos_ids(consolidated: Path, tokenizer, vocab_size: int) -> list[int]:
+    """The run's eos ids as consolidate wrote them for transformers (hf/generation_config.json: training's
+    eos, a model.init_from folder's, the chat template's end-of-turn), else llmpipe's own eos token."""
+    from llmpipe.models.llama.hf_files import read_carried
+
+    try:
+        ids = read_carried(consolidated / "hf", vocab_size).ids.get("eos_token_id")
+    except UserError as err:
+        raise GenerateError(str(err)) from None
+    if ids:
+        return ids
+    own = tokenizer.token_to_id("<|endoftext|>")
+    return [own] if own is not None else []
+
+
 def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
     """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`."""
     import torch
@@ -118,7 +133,7 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
         args = read_args(consolidated)
     except ValueError as err:
         raise GenerateError(str(err)) from None
-    eos = tokenizer.token_to_id("<|endoftext|>")
+    eos = _eos_ids(consolidated, tokenizer, args.vocab_size)
     if threads:
         torch.set_num_threads(threads)
     if variant == "torch":
@@ -306,8 +321,7 @@ def chat_stops(loaded: Loaded, chat: RunTemplate) -> tuple[list[int], list[str]]
     from llmpipe.models.llama.hf_files import single_token_ids
 
     end = chat.template.end_of_turn
-    eos = [loaded.eos_id] if loaded.eos_id is not None else []
-    return [*eos, *single_token_ids(loaded.tokenizer, end)], end
+    return list(dict.fromkeys([*loaded.eos_ids, *single_token_ids(loaded.tokenizer, end)])), end
 
 
 def ask(loaded: Loaded, chat: RunTemplate, question: str, system: str | None = None,
@@ -360,7 +374,7 @@ def run_generate(run_dir: Path, prompt: str | None, max_new_tokens: int = 64, va
                              rng=np.random.default_rng(seed))
     if chat is None:
         out.write(prompt)
-        stops = [loaded.eos_id] if loaded.eos_id is not None else []
+        stops = loaded.eos_ids
         stream, stop = Streamer(loaded.tokenizer, out), None
     else:
         stops, end = chat_stops(loaded, template)

@@ -173,3 +173,19 @@ def test_a_manifest_cache_length_that_is_not_a_positive_integer_is_refused(run_d
     assert main(["generate", str(run), "--prompt", "def main("]) == 1
     assert _error(capsys) == (f"error: {folder}: the manifest's static_decoder_cache_len is '32k', not a positive "
                               "integer; refusing to use it (re-run export_onnx)")
+
+
+def test_generation_stops_at_the_eos_ids_consolidate_wrote_for_transformers(tmp_path):
+    """An init_from model's eos (say `</s>`, or several ids) ends generate's answers, not a literal
+    `<|endoftext|>` the tokenizer may not have; a folder without hf/ falls back to llmpipe's own."""
+    from llmpipe.data.tokenizer import train_tokenizer
+    from llmpipe.tools.generate import GenerateError, _eos_ids
+
+    tok = train_tokenizer(["def main(argv):\n    return len(argv)\n"] * 4, 300)
+    assert _eos_ids(tmp_path, tok, 300) == [tok.token_to_id("<|endoftext|>")]
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "generation_config.json").write_text('{"eos_token_id": [7, 9], "bos_token_id": 1}')
+    assert _eos_ids(tmp_path, tok, 300) == [7, 9]
+    (tmp_path / "hf" / "generation_config.json").write_text('{"eos_token_id": [7, 9000]}')
+    with pytest.raises(GenerateError, match="eos_token_id"):
+        _eos_ids(tmp_path, tok, 300)
