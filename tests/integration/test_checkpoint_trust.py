@@ -68,8 +68,13 @@ def _relist(folder: Path) -> None:
 
 
 def _consolidate(folder: Path, out: Path):
-    ctx = SimpleNamespace(cfg=SimpleNamespace(consolidate=SimpleNamespace(dtype="fp32", hf_layout=False)),
-                          work_dir=out, input_path=lambda stage, name: folder / ckpt.META)
+    """consolidate's run on `folder` as the checkpoint of a text run (no chat template; the tokenizer and
+    data meta it copies stand in as the checkpoint's meta.json: only the weights are under test)."""
+    cfg = SimpleNamespace(consolidate=SimpleNamespace(dtype="fp32", hf_layout=False),
+                          data=SimpleNamespace(tokenizer=SimpleNamespace(eos_token="<|endoftext|>")),
+                          model=SimpleNamespace(init_from=None))
+    ctx = SimpleNamespace(cfg=cfg, work_dir=out, input_path=lambda stage, name: folder / ckpt.META,
+                          inputs={"prepare_data": (folder, SimpleNamespace(metrics={}))})
     return consolidate_stage.run(ctx)
 
 
