@@ -126,11 +126,11 @@ class StaticEngine:
         return cache
 
     def _grow(self, slots: int) -> _Cache:
-        """The cache moved into arrays of `slots` slots (GrowingEngine's next bucket), bound afresh."""
+        """The cache moved into arrays of `slots` slots (GrowingEngine's next bucket)."""
         old = self.cache
         B, n = old.mask.shape
-        grown = self._bound(_Cache([np.zeros((B, a.shape[1], slots, a.shape[3]), np.float32) for a in old.arrays],
-                                   np.zeros((B, slots), np.int64), pos=old.pos))
+        grown = self._allocate(B, slots)
+        grown.pos = old.pos
         for dst, src in zip(grown.arrays, old.arrays):
             dst[:, :, :n] = src
         grown.mask[:, :n] = old.mask
@@ -195,11 +195,18 @@ class GrowingEngine(StaticEngine):
     `cache_len`), and moves into the next bucket when full (a copy of what it holds, log2(cache_len /
     min_bucket) times per generation at most). Each step's attention then reads the bucket, between the
     filled slots and twice them, not the whole capacity: per-token time follows the tokens in the cache.
-    On the CPU each bucket's arrays are bound once, as StaticEngine binds its one cache."""
+    Each bucket's arrays are kept for the next generation of the same batch (at most twice the capacity in
+    all) and, on the CPU, bound once, as StaticEngine binds its one cache."""
 
     def __init__(self, prefill, decoder, args: ModelArgs, cache_len: int, min_bucket: int = 64):
         super().__init__(prefill, decoder, args, cache_len)
         self.min_bucket = min_bucket
+        self._pool: dict[tuple[int, int], _Cache] = {}  # (batch, slots) -> that bucket's arrays, bound once
+
+    def _allocate(self, batch: int, slots: int) -> _Cache:
+        self.cache = self._pool.get((batch, slots))
+        self._pool[batch, slots] = super()._allocate(batch, slots)  # reset (mask 0, pos 0) or made and bound
+        return self.cache
 
     def _slots(self, needed: int) -> int:
         slots = self.min_bucket

@@ -63,11 +63,14 @@ def test_the_growing_engine_picks_the_static_decoders_greedy_tokens_up_to_a_full
     fed = 5 + np.arange(n)  # tokens in the cache when each step's logits came out
     assert all(s >= f for s, f in zip(slots, fed)) and all(s <= max(8, 2 * f) for s, f in zip(slots, fed))
     assert growing.cache.pos == CACHE and growing.cache.mask.all()
+    again, again_logits, _ = _greedy(growing, prompt, n)  # the kept buckets, stale slots and all
+    np.testing.assert_array_equal(again, want_tokens)
+    np.testing.assert_allclose(again_logits, want_logits, atol=1e-4, rtol=0)
     with pytest.raises(decode.CapacityError, match=f"the decoder's cache of {CACHE} slots is full"):
         growing.step(tokens[:, -1])
 
 
-def test_each_bucket_is_bound_once_over_the_engines_own_arrays_and_a_new_prompt_starts_small(graphs):
+def test_each_bucket_is_bound_once_and_kept_and_a_new_prompt_starts_in_the_smallest(graphs):
     model, folder = graphs
     growing = _engine(model, folder, decode.GrowingEngine, "decoder_ort.onnx", min_bucket=8)
     growing.start(export.random_ids(1, 7, model.args.vocab_size, seed=3))
@@ -78,8 +81,13 @@ def test_each_bucket_is_bound_once_over_the_engines_own_arrays_and_a_new_prompt_
     growing.step(np.array([2]))  # slot 8: the 16-slot bucket, the 8 tokens moved over
     assert growing.cache.binding is not first and growing.cache.arrays[0].shape[2] == 16
     assert growing.cache.mask[0].tolist() == [1] * 9 + [0] * 7
-    growing.start(export.random_ids(1, 3, model.args.vocab_size, seed=4))
-    assert growing.cache.arrays[0].shape[2] == 8 and growing.cache.pos == 3
+    sixteen = growing.cache.binding
+    growing.start(export.random_ids(1, 3, model.args.vocab_size, seed=4))  # the 8-slot bucket again, as bound
+    assert growing.cache.binding is first and growing.cache.arrays[0].shape[2] == 8 and growing.cache.pos == 3
+    assert growing.cache.mask[0].tolist() == [1] * 3 + [0] * 5
+    for token in range(6):  # into the 16-slot bucket kept from before: its stale slots are masked out
+        growing.step(np.array([token]))
+    assert growing.cache.binding is sixteen and growing.cache.mask[0].tolist() == [1] * 9 + [0] * 7
 
 
 def test_the_portable_decoder_keeps_its_fixed_cache_and_both_use_standard_ops_at_opset_17(graphs):
