@@ -8,7 +8,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= llmpipe
 
-.PHONY: setup demo chat-demo test lint bench clean-demo
+.PHONY: setup demo chat-demo test lint bench clean-demo device-check
 
 setup: $(STAMP)
 
@@ -35,6 +35,11 @@ demo: setup
 chat-demo: setup
 	$(VENV)/bin/llmpipe run configs/tiny_chat.yaml $(ARGS)
 	$(PY) benchmarks/chat_demo.py
+
+# one table of what works on this machine's GPU/NPU and how fast (benchmarks/device_check.py); on a CPU the
+# rows that need the accelerator say why they were skipped
+device-check: setup
+	$(PY) benchmarks/device_check.py --json artifacts/device_check.json $(ARGS)
 
 test: setup
 	$(PY) -m pytest -q

@@ -179,6 +179,14 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
+def reset_peak_memory(device: torch.device) -> None:
+    """Start `peak_memory_bytes` over from what is allocated now (accelerators; a CPU's peak RSS cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "npu":
+        torch.npu.reset_peak_memory_stats(device)
+
+
 def device_name(device: torch.device) -> str:
     """The name the device reports ("NVIDIA A100-SXM4-80GB", "Ascend910B2"); on CPU, the CPU model."""
     if device.type == "cuda":

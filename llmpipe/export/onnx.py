@@ -209,6 +209,29 @@ def export_static_decoder(model: Transformer, path: Path, opset: int, length: in
                          external=weight_bytes(model) > external_data_bytes)
 
 
+def export_ort_decoder(model: Transformer, path: Path, opset: int, length: int,
+                       external_data_bytes: int = EXTERNAL_DATA_BYTES) -> list[Path]:
+    """Export decoder_ort.onnx, for onnxruntime only: decoder_static.onnx's maths and names with the cache
+    length dynamic (axis "cache" of attention_mask and of every cache input, up to `length`, the RoPE
+    table's reach), so an engine can feed only the filled part of its cache, rounded up to a bucket
+    (llmpipe.infer.decode.GrowingEngine), and a step's attention costs what the cache holds, not its
+    capacity. ATC needs static shapes: it gets decoder_static.onnx, unchanged."""
+    _check_fp32(model, "export_ort_decoder")
+    a = model.args
+    batch, chunk, slots = 2, 3, 7  # NOTE: none 1 and all different, so no axis is baked in (see TRACE_SHAPE)
+    ids = torch.from_numpy(random_ids(batch, chunk, a.vocab_size, seed=0))
+    positions = torch.arange(5, 5 + chunk).expand(batch, chunk).contiguous()
+    mask = (torch.arange(slots) < 5).long().expand(batch, slots).contiguous()
+    cache = [torch.zeros(batch, a.n_kv_heads, slots, a.head_dim) for _ in range(2 * a.n_layers)]
+    axes = {"input_ids": {0: "batch", 1: "chunk"}, "position_ids": {0: "batch", 1: "chunk"},
+            "attention_mask": {0: "batch", 1: "cache"}, "logits": {0: "batch", 1: "chunk"},
+            **{n: {0: "batch", 2: "cache"} for n in decoder_names(a.n_layers, "cache")},
+            **{n: {0: "batch", 2: "chunk"} for n in decoder_names(a.n_layers, "new")}}
+    return _export_graph(_StaticDecoder(model), (ids, positions, mask, *cache), Path(path), opset,
+                         static_inputs(a.n_layers), ["logits", *decoder_names(a.n_layers, "new")], axes,
+                         external=weight_bytes(model) > external_data_bytes)
+
+
 def decoder_parity(model: Transformer, onnx_path: Path, shapes: Sequence[Sequence[int]], seed: int) -> dict:
     """For each (batch, seq): PyTorch builds the cache of the first seq//2 tokens, onnxruntime's
     decoder continues with the rest; its logits are compared with PyTorch's full-sequence pass,

@@ -17,7 +17,10 @@ Engines:
   engine owns; each step writes one token's keys/values into its slot. With onnxruntime on the CPU
   the arrays are bound once through I/O binding (the OrtValues share their memory), so no step
   copies the cache. On other providers, and for OM models, each call passes the cache (a host to
-  device copy per call; a device-resident cache is future work).
+  device copy per call; a device-resident cache is future work). Every step reads the whole cache.
+- GrowingEngine: the same over decoder_ort.onnx, whose cache length is dynamic (onnxruntime only): the
+  cache holds a power-of-two bucket of slots that doubles as it fills, so a step reads what the cache
+  holds (at most twice that), not its capacity.
 
 `graph_contract` is what StaticEngine feeds and reads (names, types, fixed sizes); `graph_problem`
 says how a loaded graph differs from it, so a foreign graph is refused before it runs.
@@ -96,24 +99,43 @@ class StaticEngine:
         self._bind = isinstance(decoder, ort.InferenceSession) and \
             decoder.get_providers()[0] == device.ort_providers(["cpu"])[0].ort_name
 
-    def _allocate(self, batch: int) -> _Cache:
-        a, L = self.args, self.capacity
-        if self.cache is not None and self.cache.mask.shape[0] == batch:
+    def _slots(self, needed: int) -> int:
+        """How many cache slots the decoder is fed when `needed` are in use: all of them (a static graph)."""
+        return self.capacity
+
+    def _allocate(self, batch: int, slots: int) -> _Cache:
+        if self.cache is not None and self.cache.mask.shape == (batch, slots):
             self.cache.mask[:] = 0
             self.cache.pos = 0
             return self.cache  # NOTE: stale slots are masked out, never read
-        arrays = [np.zeros((batch, a.n_kv_heads, L, a.head_dim), np.float32) for _ in self._names]
-        cache = _Cache(arrays, np.zeros((batch, L), np.int64))
+        a = self.args
+        arrays = [np.zeros((batch, a.n_kv_heads, slots, a.head_dim), np.float32) for _ in self._names]
+        self.cache = self._bound(_Cache(arrays, np.zeros((batch, slots), np.int64)))
+        return self.cache
+
+    def _bound(self, cache: _Cache) -> _Cache:
+        """`cache` with its arrays bound to the decoder's inputs (onnxruntime on the CPU)."""
         if self._bind:
             cache.binding = self.decoder.io_binding()
             # NOTE: OrtValues over numpy memory (CPU): writing a slot in the array is seen by the
             # next run; nothing is copied per step.
-            for name, arr in zip(["attention_mask", *self._names], [cache.mask, *arrays]):
+            for name, arr in zip(["attention_mask", *self._names], [cache.mask, *cache.arrays]):
                 cache.binding.bind_ortvalue_input(name, ort.OrtValue.ortvalue_from_numpy(arr))
             for name in ["logits", *self._new]:
                 cache.binding.bind_output(name)
-        self.cache = cache
         return cache
+
+    def _grow(self, slots: int) -> _Cache:
+        """The cache moved into arrays of `slots` slots (GrowingEngine's next bucket)."""
+        old = self.cache
+        B, n = old.mask.shape
+        grown = self._allocate(B, slots)
+        grown.pos = old.pos
+        for dst, src in zip(grown.arrays, old.arrays):
+            dst[:, :, :n] = src
+        grown.mask[:, :n] = old.mask
+        self.cache = grown
+        return grown
 
     def _padded(self, ids: np.ndarray) -> np.ndarray:
         if not self.prefill_lens:
@@ -131,7 +153,7 @@ class StaticEngine:
             raise CapacityError(f"the models were compiled for batch {self.batch}, not {B}")
         if T >= self.capacity:
             raise CapacityError(f"prompt of {T} tokens does not fit the decoder's cache of {self.capacity}")
-        cache = self._allocate(B)
+        cache = self._allocate(B, self._slots(T + 1))
         out = self.prefill.run(["logits", *self._present], {"input_ids": self._padded(ids)})
         for arr, present in zip(cache.arrays, out[1:]):
             arr[:, :, :T] = present[:, :, :T]  # (B, Hkv, T, hd)
@@ -145,7 +167,9 @@ class StaticEngine:
             raise RuntimeError("step() before start()")
         if cache.pos >= self.capacity:
             raise CapacityError(f"the decoder's cache of {self.capacity} slots is full")
-        B = cache.mask.shape[0]
+        B, slots = cache.mask.shape
+        if cache.pos >= slots:  # GrowingEngine: the bucket is full, the next one holds this token too
+            cache = self._grow(self._slots(cache.pos + 1))
         ids = tokens.reshape(B, 1).astype(np.int64)
         positions = np.full((B, 1), cache.pos, np.int64)
         if cache.binding is not None:
@@ -165,6 +189,32 @@ class StaticEngine:
         return np.array(logits[:, -1])  # (B, vocab)
 
 
+class GrowingEngine(StaticEngine):
+    """StaticEngine over decoder_ort.onnx (export_onnx's decoder with the cache length dynamic, for
+    onnxruntime only): its cache holds a bucket of slots, `min_bucket` doubled until the tokens fit (at most
+    `cache_len`), and moves into the next bucket when full (a copy of what it holds, log2(cache_len /
+    min_bucket) times per generation at most). Each step's attention then reads the bucket, between the
+    filled slots and twice them, not the whole capacity: per-token time follows the tokens in the cache.
+    Each bucket's arrays are kept for the next generation of the same batch (at most twice the capacity in
+    all) and, on the CPU, bound once, as StaticEngine binds its one cache."""
+
+    def __init__(self, prefill, decoder, args: ModelArgs, cache_len: int, min_bucket: int = 64):
+        super().__init__(prefill, decoder, args, cache_len)
+        self.min_bucket = min_bucket
+        self._pool: dict[tuple[int, int], _Cache] = {}  # (batch, slots) -> that bucket's arrays, bound once
+
+    def _allocate(self, batch: int, slots: int) -> _Cache:
+        self.cache = self._pool.get((batch, slots))
+        self._pool[batch, slots] = super()._allocate(batch, slots)  # reset (mask 0, pos 0) or made and bound
+        return self.cache
+
+    def _slots(self, needed: int) -> int:
+        slots = self.min_bucket
+        while slots < needed:
+            slots *= 2
+        return min(slots, self.capacity)
+
+
 # --------------------------------------------------------------------------- the graphs' contract
 
 
@@ -178,16 +228,18 @@ class Tensor:
 
 
 def graph_contract(kind: str, args: ModelArgs, cache_len: int) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
-    """(inputs, outputs) of export_onnx's `kind` graph, "prefill" (model.onnx) or "decoder"
-    (decoder_static.onnx), for a model of `args` with a cache of `cache_len` slots: what
-    StaticEngine feeds and reads (names from llmpipe.export.onnx)."""
+    """(inputs, outputs) of export_onnx's `kind` graph, "prefill" (model.onnx), "decoder"
+    (decoder_static.onnx) or "decoder_ort" (decoder_ort.onnx: the cache length dynamic), for a model of
+    `args` with a cache of `cache_len` slots: what StaticEngine (GrowingEngine) feeds and reads (names from
+    llmpipe.export.onnx)."""
     ids = Tensor("tensor(int64)", (None, None))  # (B, T)
     logits = Tensor("tensor(float)", (None, None, args.vocab_size))  # (B, T, vocab)
     kv = Tensor("tensor(float)", (None, args.n_kv_heads, None, args.head_dim))  # (B, Hkv, T, hd)
     if kind == "prefill":
         return {"input_ids": ids}, {"logits": logits, **dict.fromkeys(decoder_names(args.n_layers, "present"), kv)}
-    mask = Tensor("tensor(int64)", (None, cache_len))  # (B, L)
-    cache = Tensor("tensor(float)", (None, args.n_kv_heads, cache_len, args.head_dim))  # (B, Hkv, L, hd)
+    slots = None if kind == "decoder_ort" else cache_len  # decoder_ort.onnx: any number of slots
+    mask = Tensor("tensor(int64)", (None, slots))  # (B, L)
+    cache = Tensor("tensor(float)", (None, args.n_kv_heads, slots, args.head_dim))  # (B, Hkv, L, hd)
     names = static_inputs(args.n_layers)
     inputs = dict(zip(names, [ids, ids, mask, *[cache] * (len(names) - 3)]))
     return inputs, {"logits": logits, **dict.fromkeys(decoder_names(args.n_layers, "new"), kv)}

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 MODEL_FILE = "model.onnx"
 DECODER_FILE = "decoder_with_past.onnx"
 STATIC_FILE = "decoder_static.onnx"
+ORT_DECODER_FILE = "decoder_ort.onnx"  # decoder_static's maths with the cache length dynamic: onnxruntime only
 DEFAULT_CACHE_LEN = 1024  # export.kv_cache_len null: min(model max_seq_len, this)
 # Protobuf cannot serialize a message over 2 GiB; above this many bytes of weights the tensors go
 # to one external data file beside the graph (`<graph>.data`).
