@@ -438,11 +438,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from llmpipe.tools.generate import run_generate
 
-    run_dir = Path(args.run)
-    if not run_dir.is_dir() or not (args.run.startswith((".", "/")) or os.sep in args.run):
-        _recorded_config(args.run, args.artifacts_dir)  # a run name: checks the name and that it ran
-        run_dir = Path(args.artifacts_dir) / args.run
-    run_generate(run_dir, args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
+    run_generate(_run_dir(args), args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
                  args.top_p, args.seed, args.threads, chat=args.chat, system=args.system)
     return 0
 

@@ -97,6 +97,9 @@ def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, 
     problem = gate_problem(run_dir, variant)
     if problem and not allow_ungated:
         raise ServeError(f"{problem}; refusing to serve it (--allow-ungated to serve anyway)")
+    if key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serve: listening on %s without an API key (--api-key-file): anyone who reaches it may use it",
+                    host)
     if problem:
         log.warning("serve: serving UNGATED (--allow-ungated): %s", problem)
     template = run_template(run_dir, variant)

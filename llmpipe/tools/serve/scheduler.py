@@ -164,7 +164,12 @@ class Scheduler:
         req = self._next()
         if req is not None:
             a = _Active(req, self.tokenizer)
-            logits = self.slots.admit(req.ids)
+            try:
+                logits = self.slots.admit(req.ids)
+            except Exception as err:  # e.g. a prompt longer than an OM prefill's largest gear: this request only
+                req.finish_reason = "error"
+                req.emit(("error", str(err)))
+                return
             self.active.append(a)
             req.first_token = time.perf_counter()
             self.metrics.ttft.observe(req.first_token - req.submitted)
