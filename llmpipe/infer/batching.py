@@ -5,7 +5,7 @@ StaticEngine keeps one position for the whole batch (every row started together)
 graph itself takes `position_ids` (B, 1) and `attention_mask` (B, L) per row, and only reads the
 cache, so rows need not be in step: `SlotBatch` keeps a position per row, writes each row's new keys
 and values into that row's own next slot, and masks each row's cache by itself. A new sequence is
-prefilled alone (batch 1, one prompt pass) and its cache copied into a free row; a finished one
+prefilled (the newcomers of one step together: one prompt pass) and its cache copied into a free row; a finished one
 leaves by moving the last row into its place, so the active rows are always 0..n-1 and a step runs
 the decoder on n rows, not on every slot (with onnxruntime's I/O binding on the CPU, one binding per
 n over views of the same arrays: nothing is copied per step). A model compiled for one batch size
@@ -52,24 +52,37 @@ class SlotBatch:
     def free(self) -> int:
         return self.slots - self.n
 
-    def admit(self, ids: list[int]) -> np.ndarray:
-        """Prefill `ids` alone into row n (the new last row); its logits (vocab,)."""
-        T = len(ids)
-        if self.n >= self.slots:
-            raise RuntimeError("admit() with every slot taken")
-        if T >= self.capacity:
-            raise CapacityError(f"prompt of {T} tokens does not fit the decoder's cache of {self.capacity}")
+    def admit(self, prompts: list[list[int]]) -> np.ndarray:
+        """Prefill `prompts` together (one pass, right-padded to the longest: padding comes after each
+        prompt, so causal attention never shows it to the prompt) into rows n, n+1, ...; their last
+        positions' logits (k, vocab). A model compiled for one batch size takes them one at a time."""
+        if self.fixed:
+            return np.concatenate([self._admit([p]) for p in prompts])
+        return self._admit(prompts)
+
+    def _admit(self, prompts: list[list[int]]) -> np.ndarray:
+        k, lengths = len(prompts), [len(p) for p in prompts]
+        if self.n + k > self.slots:
+            raise RuntimeError(f"admit() of {k} with {self.free()} slots free")
+        if max(lengths) >= self.capacity:
+            raise CapacityError(f"prompt of {max(lengths)} tokens does not fit the decoder's cache of {self.capacity}")
         e = self.engine
-        prompt = np.array([ids], np.int64)
-        out = e.prefill.run(["logits", *self._present], {"input_ids": e._padded(prompt)})
-        row = self.n
-        for arr, present in zip(self.arrays, out[1:]):
-            arr[row, :, :T] = present[0, :, :T]  # (Hkv, T, hd)
-        self.mask[row] = 0
-        self.mask[row, :T] = 1
-        self.pos[row] = T
-        self.n += 1
-        return np.array(out[0][0, T - 1])  # (vocab,)
+        batch = np.zeros((k, max(lengths)), np.int64)
+        for i, p in enumerate(prompts):
+            batch[i, :len(p)] = p
+        out = e._padded(batch)
+        out = e.prefill.run(["logits", *self._present], {"input_ids": out})
+        logits = np.empty((k, out[0].shape[-1]), np.float32)
+        for i, T in enumerate(lengths):
+            row = self.n
+            for arr, present in zip(self.arrays, out[1:]):
+                arr[row, :, :T] = present[i, :, :T]  # (Hkv, T, hd)
+            self.mask[row] = 0
+            self.mask[row, :T] = 1
+            self.pos[row] = T
+            logits[i] = out[0][i, T - 1]
+            self.n += 1
+        return logits
 
     def _binding(self, rows: int) -> ort.IOBinding:
         if rows not in self._bindings:
@@ -140,12 +153,19 @@ class EngineSlots:
     def free(self) -> int:
         return self.slots - self.n
 
-    def admit(self, ids: list[int]) -> np.ndarray:
-        if len(ids) >= self.capacity:
-            raise CapacityError(f"prompt of {len(ids)} tokens does not fit the model's context of {self.capacity}")
-        engine = self._idle.pop() if self._idle else self.make()
-        self.engines.append(engine)
-        return engine.start(np.array([ids], np.int64))[0]
+    def admit(self, prompts: list[list[int]]) -> np.ndarray:
+        if self.n + len(prompts) > self.slots:
+            raise RuntimeError(f"admit() of {len(prompts)} with {self.free()} slots free")
+        for ids in prompts:
+            if len(ids) >= self.capacity:
+                raise CapacityError(f"prompt of {len(ids)} tokens does not fit the model's context of "
+                                    f"{self.capacity}")
+        out = []
+        for ids in prompts:
+            engine = self._idle.pop() if self._idle else self.make()
+            self.engines.append(engine)
+            out.append(engine.start(np.array([ids], np.int64))[0])
+        return np.stack(out)
 
     def step(self, tokens: np.ndarray) -> np.ndarray:
         return np.concatenate([e.step(np.array([t], np.int64)) for e, t in zip(self.engines, tokens)])

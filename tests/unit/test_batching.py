@@ -40,14 +40,15 @@ def _alone(engine) -> list[list[int]]:
 
 
 def _interleaved(slots) -> list[list[int]]:
-    """A joins; two steps later B joins; then C; B leaves early (C moves into its row) and joins again
+    """A joins; two steps later B and C join together; B leaves early (C moves into its row) and joins again
     as a fresh sequence once A has finished."""
     out: dict[int, list[int]] = {}
     rows: list[int] = []  # which prompt each active row decodes
 
-    def admit(i: int) -> None:
-        out[i] = [int(slots.admit(PROMPTS[i]).argmax())]
-        rows.append(i)
+    def admit(*which: int) -> None:
+        for i, logits in zip(which, slots.admit([PROMPTS[i] for i in which])):
+            out[i] = [int(logits.argmax())]
+            rows.append(i)
 
     def release(i: int) -> None:
         row = rows.index(i)
@@ -65,9 +66,7 @@ def _interleaved(slots) -> list[list[int]]:
 
     admit(0)
     step(), step()
-    admit(1)
-    step()
-    admit(2)
+    admit(1, 2)  # together: one prefill pass, padded to the longer
     step(), step()
     early = out.pop(1)
     release(1)
@@ -102,4 +101,4 @@ def test_a_prompt_that_fills_the_cache_is_refused(model_and_graphs):
     _, (prefill, decoder) = model_and_graphs
     batch = SlotBatch(StaticEngine(prefill, decoder, ARGS, CACHE), 2)
     with pytest.raises(CapacityError, match=f"prompt of {CACHE} tokens does not fit the decoder's cache of {CACHE}"):
-        batch.admit([1] * CACHE)
+        batch.admit([[1, 2], [1] * CACHE])

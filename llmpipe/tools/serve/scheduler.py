@@ -1,10 +1,11 @@
 """The decode loop of `llmpipe serve`: one thread owns the model and runs iteration-level scheduling.
 
-Each iteration: admit at most one waiting request (one prompt pass, so a newcomer stalls the running
-ones for no longer than that), then one decode step for every active request together, then each
-request picks its own next token (its own temperature, top_p and seeded generator), streams what is
-new of its text, and leaves the batch when it is done, cancelled (its client went away) or out of
-room. Requests wait in a bounded queue; `submit` refuses beyond it (the server answers 429).
+Each iteration: admit the waiting requests that fit the free slots (one prompt pass for all of them,
+so newcomers stall the running ones for no longer than that), then one decode step for every active
+request together, then each request picks its own next token (its own temperature, top_p and seeded
+generator), streams what is new of its text, and leaves the batch when it is done, cancelled (its
+client went away) or out of room. Requests wait in a bounded queue; `submit` refuses beyond it (the
+server answers 429).
 
 Text goes out through the same ChatStreamer `llmpipe generate --chat` uses: stop ids are not shown,
 text stops before a stop string, and text that may still become one is held back until it is known.
@@ -132,16 +133,21 @@ class Scheduler:
         with self.cond:
             return len(self.waiting) + len(self.active)
 
-    def _next(self) -> Job | None:
-        """A waiting request to admit (None if none or no free slot); blocks while there is nothing to do."""
+    def _next(self) -> list[Job]:
+        """The waiting requests that fit the free slots (admitted together); blocks while there is
+        nothing to do."""
         with self.cond:
             while not self.stopping and not self.active and not self.waiting:
                 self.cond.wait()
-            while self.waiting and self.waiting[0].cancelled:
-                self._finish_unadmitted(self.waiting.popleft())
-            req = self.waiting.popleft() if self.waiting and self.slots.free() > 0 else None
+            new = []
+            while self.waiting and len(new) < self.slots.free():
+                req = self.waiting.popleft()
+                if req.cancelled:
+                    self._finish_unadmitted(req)
+                else:
+                    new.append(req)
             self.metrics.queue.set(len(self.waiting))
-            return req
+            return new
 
     def _finish_unadmitted(self, req: Job) -> None:
         req.finish_reason = "cancelled"
@@ -161,20 +167,23 @@ class Scheduler:
                 self.active = []
 
     def _iteration(self) -> None:
-        req = self._next()
-        if req is not None:
-            a = _Active(req, self.tokenizer)
+        reqs = self._next()
+        if reqs:
             try:
-                logits = self.slots.admit(req.ids)
-            except Exception as err:  # e.g. a prompt longer than an OM prefill's largest gear: this request only
-                req.finish_reason = "error"
-                req.emit(("error", str(err)))
+                logits = self.slots.admit([r.ids for r in reqs])  # one prompt pass for all newcomers
+            except Exception as err:  # e.g. a prompt longer than an OM prefill's largest gear
+                for r in reqs:
+                    r.finish_reason = "error"
+                    r.emit(("error", str(err)))
                 return
-            self.active.append(a)
-            req.first_token = time.perf_counter()
-            self.metrics.ttft.observe(req.first_token - req.submitted)
-            self.metrics.tokens_in.inc(len(req.ids))
-            self._after([a], [a.pick(logits)])
+            new = [_Active(r, self.tokenizer) for r in reqs]
+            self.active += new
+            now = time.perf_counter()
+            for r in reqs:
+                r.first_token = now
+                self.metrics.ttft.observe(now - r.submitted)
+                self.metrics.tokens_in.inc(len(r.ids))
+            self._after(new, [a.pick(row) for a, row in zip(new, logits)])
         if not self.active:
             return
         running = list(self.active)
