@@ -106,6 +106,10 @@ class ChatBody(_Body):
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
+def _not_json(name: str) -> None:
+    raise ValueError(f"{name} is not a JSON number")
+
+
 async def _read_json(request: Request) -> Any:
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
@@ -116,7 +120,7 @@ async def _read_json(request: Request) -> Any:
         if len(body) > MAX_BODY_BYTES:
             raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
     try:
-        return json.loads(body, parse_constant=lambda c: (_ for _ in ()).throw(ValueError(c)))
+        return json.loads(body, parse_constant=_not_json)
     except (ValueError, RecursionError) as err:
         raise ApiError(400, f"the body is not valid JSON ({str(err)[:80]})") from None
 
@@ -225,9 +229,12 @@ def build_app(s: Served) -> FastAPI:
     async def any_error(request: Request, err: Exception):  # never a traceback to the client
         return _error(500, "internal error", type_="server_error")
 
+    routes = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
     @app.middleware("http")
     async def gate(request: Request, call_next):
         path = request.url.path
+        route = path if path in routes else "other"  # a label per route, not per path a client makes up
         if path.startswith("/v1/"):
             if s.api_key is not None:
                 header = request.headers.get("authorization", "")
@@ -235,14 +242,14 @@ def build_app(s: Served) -> FastAPI:
                 if not hmac.compare_digest(given.encode(), s.api_key.encode()):
                     response = _error(401, "missing or incorrect API key (Authorization: Bearer ...)",
                                       code="invalid_api_key")
-                    s.metrics.requests.labels(path, "401").inc()
+                    s.metrics.requests.labels(route, "401").inc()
                     return response
             if s.draining and request.method == "POST":
-                s.metrics.requests.labels(path, "503").inc()
+                s.metrics.requests.labels(route, "503").inc()
                 return _error(503, "the server is shutting down", type_="server_error")
         response = await call_next(request)
         if path.startswith("/v1/"):
-            s.metrics.requests.labels(path, str(response.status_code)).inc()
+            s.metrics.requests.labels(route, str(response.status_code)).inc()
         return response
 
     @app.get("/health")
