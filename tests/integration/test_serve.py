@@ -361,6 +361,21 @@ def test_a_variant_the_gate_rejected_or_a_run_without_benchmark_is_refused_in_on
                                        "has passed; refusing to serve it (--allow-ungated to serve anyway)\n")
 
 
+def test_a_tampered_benchmark_or_a_bad_option_is_refused_before_anything_loads(run, tmp_path, capsys):
+    copy = shutil.copytree(run, tmp_path / "run")
+    bench = stage_dir(copy, "benchmark")
+    (bench / "results.json").write_text('{"rejected": []}')
+    assert main(["serve", str(copy)]) == 1
+    assert capsys.readouterr().err == (f"error: {bench}: output results has 16 bytes, manifest says 2; refusing "
+                                       "to serve it (--allow-ungated to serve anyway)\n")
+    for argv, line in ((["--max-batch", "0"], "--max-batch 0: must be between 1 and 256"),
+                       (["--port", "70000"], "--port 70000: must be between 0 and 65535"),
+                       (["--api-key-file", str(tmp_path / "none")], f"--api-key-file {tmp_path / 'none'}: "
+                                                                    "No such file or directory")):
+        assert main(["serve", str(run), *argv]) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+
+
 def _text_run(run: Path, tmp_path: Path) -> Path:
     """The run without its chat template and without a benchmark (a text run, ungated)."""
     copy = shutil.copytree(run, tmp_path / "text")
