@@ -163,8 +163,9 @@ def client(server) -> openai.OpenAI:
 def _post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
     data = body if isinstance(body, bytes | str) else json.dumps(body)
+    kw.setdefault("timeout", 60)
     return httpx.post(f"{server.url}{path}", content=data, headers={**headers, "Content-Type": "application/json"},
-                      timeout=60, **kw)
+                      **kw)
 
 
 # --------------------------------------------------------------------------- the OpenAI API
@@ -333,6 +334,15 @@ def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
     after = server.wait_for(batch_size=0)["llmpipe_completion_tokens_total"]
     assert after - before < LONG  # freed before its max_tokens
     assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_that_gives_up_on_a_whole_completion_frees_its_slot(server):
+    before = server.metrics()["llmpipe_completion_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0},
+              timeout=httpx.Timeout(60, read=0.3))
+    after = server.wait_for(batch_size=0)["llmpipe_completion_tokens_total"]
+    assert after - before < LONG
 
 
 def test_health_and_metrics_count_requests_and_tokens(server):

@@ -27,6 +27,7 @@ from llmpipe.tools.serve.scheduler import Job, QueueFull
 
 MAX_BODY_BYTES = 1 << 20  # a prompt of a 32k-token context is ~150 KB of text
 MAX_STOPS = 4  # as OpenAI
+DISCONNECT_POLL_S = 0.25
 
 
 class Metrics:
@@ -168,16 +169,25 @@ def _usage(job: Job) -> dict:
             "total_tokens": len(job.ids) + job.tokens}
 
 
-async def _collect(job: Job) -> str:
-    parts = []
+async def _collect(job: Job, request: Request) -> str:
+    """The whole text of a non-streaming request. Every DISCONNECT_POLL_S its client is asked whether it
+    is still there (nothing else tells a handler that is not sending); one that left frees its slot."""
+    parts, asked = [], time.monotonic()
     try:
         while True:
-            kind, value = await job.events.get()
+            try:
+                kind, value = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except TimeoutError:
+                kind, value = None, None
+            if time.monotonic() - asked >= DISCONNECT_POLL_S:
+                if await request.is_disconnected():
+                    return ""  # nobody to answer; the finally frees the slot
+                asked = time.monotonic()
             if kind == "text":
                 parts.append(value)
             elif kind == "error":
                 raise ApiError(500, f"generation failed: {value}", type_="server_error")
-            else:
+            elif kind == "done":
                 return "".join(parts)
     finally:
         job.cancel()  # nothing after done; a client gone before it frees the slot
@@ -214,6 +224,42 @@ async def _stream(job: Job, chunk, include_usage: bool):
         job.cancel()
 
 
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions")
+
+
+class _Gate:
+    """Pure ASGI middleware (it leaves `receive` alone, so a handler still sees its client go away):
+    the API key and draining checks of every /v1/ route, and the request counter by route and status."""
+
+    def __init__(self, app, served: Served):
+        self.app, self.s = app, served
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        s, path = self.s, scope["path"]
+        route = path if path in ROUTES else "other"  # a label per route, not per path a client makes up
+
+        async def counted(message):
+            if message["type"] == "http.response.start" and path.startswith("/v1/"):
+                s.metrics.requests.labels(route, str(message["status"])).inc()
+            await send(message)
+
+        if path.startswith("/v1/"):
+            refusal = None
+            if s.api_key is not None:
+                header = dict(scope["headers"]).get(b"authorization", b"").decode("latin-1")
+                given = header[7:] if header[:7].lower() == "bearer " else ""
+                if not hmac.compare_digest(given.encode(), s.api_key.encode()):
+                    refusal = _error(401, "missing or incorrect API key (Authorization: Bearer ...)",
+                                     code="invalid_api_key")
+            if refusal is None and s.draining and scope["method"] == "POST":
+                refusal = _error(503, "the server is shutting down", type_="server_error")
+            if refusal is not None:
+                return await refusal(scope, receive, counted)
+        await self.app(scope, receive, counted)
+
+
 def build_app(s: Served) -> FastAPI:
     app = FastAPI(title="llmpipe", docs_url=None, redoc_url=None, openapi_url=None)
 
@@ -229,28 +275,7 @@ def build_app(s: Served) -> FastAPI:
     async def any_error(request: Request, err: Exception):  # never a traceback to the client
         return _error(500, "internal error", type_="server_error")
 
-    routes = ("/v1/models", "/v1/completions", "/v1/chat/completions")
-
-    @app.middleware("http")
-    async def gate(request: Request, call_next):
-        path = request.url.path
-        route = path if path in routes else "other"  # a label per route, not per path a client makes up
-        if path.startswith("/v1/"):
-            if s.api_key is not None:
-                header = request.headers.get("authorization", "")
-                given = header[7:] if header[:7].lower() == "bearer " else ""
-                if not hmac.compare_digest(given.encode(), s.api_key.encode()):
-                    response = _error(401, "missing or incorrect API key (Authorization: Bearer ...)",
-                                      code="invalid_api_key")
-                    s.metrics.requests.labels(route, "401").inc()
-                    return response
-            if s.draining and request.method == "POST":
-                s.metrics.requests.labels(route, "503").inc()
-                return _error(503, "the server is shutting down", type_="server_error")
-        response = await call_next(request)
-        if path.startswith("/v1/"):
-            s.metrics.requests.labels(route, str(response.status_code)).inc()
-        return response
+    app.add_middleware(_Gate, served=s)
 
     @app.get("/health")
     async def health():
@@ -288,7 +313,7 @@ def build_app(s: Served) -> FastAPI:
         if body.stream:
             return StreamingResponse(_stream(job, chunk, bool((body.stream_options or {}).get("include_usage"))),
                                      media_type="text/event-stream")
-        text = await _collect(job)
+        text = await _collect(job, request)
         return {**chunk(text, job.finish_reason), "usage": _usage(job)}
 
     @app.post("/v1/chat/completions")
@@ -318,7 +343,7 @@ def build_app(s: Served) -> FastAPI:
         if body.stream:
             return StreamingResponse(_stream(job, chunk, bool((body.stream_options or {}).get("include_usage"))),
                                      media_type="text/event-stream")
-        answer = await _collect(job)
+        answer = await _collect(job, request)
         return {"id": rid, "object": "chat.completion", "created": created, "model": s.name,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": answer}, "logprobs": None,
                              "finish_reason": job.finish_reason}],
