@@ -28,21 +28,21 @@ from llmpipe.infer.graphs import decoder_names, static_inputs
 
 
 class SlotBatch:
-    """Up to `slots` sequences over one static cache (B = slots rows), each at its own position."""
+    """Up to `slots` sequences over one static cache (B = slots rows, or the compiled batch size), each at
+    its own position."""
 
     def __init__(self, engine: StaticEngine, slots: int):
         self.engine, self.args, self.capacity = engine, engine.args, engine.capacity
         self.fixed = engine.batch  # a compiled batch size: every step runs all of its rows
-        self.slots = engine.batch or slots
-        if engine.batch is not None and slots > engine.batch:
-            raise CapacityError(f"the decoder was compiled for batch {engine.batch}; --max-batch {slots} does not fit")
+        self.rows = engine.batch or slots  # rows of the cache arrays
+        self.slots = min(slots, self.rows)  # sequences at once (at most the compiled batch)
         a, L = self.args, self.capacity
         self._names = static_inputs(a.n_layers)[3:]
         self._new = decoder_names(a.n_layers, "new")
         self._present = decoder_names(a.n_layers, "present")
-        self.arrays = [np.zeros((self.slots, a.n_kv_heads, L, a.head_dim), np.float32) for _ in self._names]
-        self.mask = np.zeros((self.slots, L), np.int64)  # 1 where a row's slot holds one of its tokens
-        self.pos = np.zeros(self.slots, np.int64)  # each row's next position (= its tokens so far)
+        self.arrays = [np.zeros((self.rows, a.n_kv_heads, L, a.head_dim), np.float32) for _ in self._names]
+        self.mask = np.zeros((self.rows, L), np.int64)  # 1 where a row's slot holds one of its tokens
+        self.pos = np.zeros(self.rows, np.int64)  # each row's next position (= its tokens so far)
         self.n = 0  # active rows: 0..n-1
         dec = engine.decoder
         self._bind = isinstance(dec, ort.InferenceSession) and \
@@ -103,7 +103,7 @@ class SlotBatch:
             raise RuntimeError("step() with no active row")
         if int(self.pos[:n].max()) >= self.capacity:
             raise CapacityError(f"the decoder's cache of {self.capacity} slots is full")
-        rows = self.slots if self.fixed else n
+        rows = self.rows if self.fixed else n
         ids = np.zeros((rows, 1), np.int64)
         ids[:n, 0] = tokens
         positions = self.pos[:rows].reshape(rows, 1).copy()

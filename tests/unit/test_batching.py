@@ -82,10 +82,11 @@ def _interleaved(slots) -> list[list[int]]:
 @pytest.mark.parametrize("how", ["io binding", "feeds", "compiled batch"])
 def test_sequences_joining_and_leaving_the_static_batch_pick_their_tokens_alone(model_and_graphs, how):
     """io binding: onnxruntime on the CPU; feeds: the cache passed each call (other providers, OM);
-    compiled batch: a decoder of one batch size (an OM decode_batch), every row run each step."""
+    compiled batch: a decoder of one batch size (an OM decode_batch, here 4 for 3 sequences), every row run
+    each step."""
     model, (prefill, decoder) = model_and_graphs
     alone = _alone(StaticEngine(prefill, decoder, ARGS, CACHE))
-    batch = SlotBatch(StaticEngine(prefill, decoder, ARGS, CACHE, batch=3 if how == "compiled batch" else None), 3)
+    batch = SlotBatch(StaticEngine(prefill, decoder, ARGS, CACHE, batch=4 if how == "compiled batch" else None), 3)
     batch._bind = how == "io binding"  # NOTE: set by provider; forced here to run both paths on the CPU
     assert _interleaved(batch) == alone
     assert batch.n == 0 and not batch.mask.any()

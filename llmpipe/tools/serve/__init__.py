@@ -77,7 +77,11 @@ def _slots(loaded, max_batch: int):
     from llmpipe.infer.decode import StaticEngine, TorchEngine
 
     if isinstance(loaded.engine, StaticEngine):
-        return SlotBatch(loaded.engine, max_batch), "continuous batching over the static decoder's rows"
+        batch = SlotBatch(loaded.engine, max_batch)
+        if loaded.engine.batch is not None:
+            return batch, (f"continuous batching over the {loaded.engine.batch} rows the decoder was compiled for "
+                           "(convert_om.decode_batch), all run each step")
+        return batch, "continuous batching over the static decoder's rows"
     model = loaded.engine.model
     return (EngineSlots(lambda: TorchEngine(model, loaded.engine.dev), max_batch, loaded.engine.capacity),
             "one PyTorch engine per slot, stepped in turn (no batched step)")
