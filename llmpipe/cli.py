@@ -7,6 +7,8 @@
     llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|om] [--temperature T]
                      [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
     llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
+    llmpipe serve RUN [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N] [--max-queue N]
+                      [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
@@ -110,6 +112,23 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0), >= 0")
     gen.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
     gen.add_argument("--artifacts-dir", default="artifacts")
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible endpoint (FastAPI + uvicorn) over a finished run whose "
+                         "benchmark gates passed")
+    srv.add_argument("run", help="run name (folder under the artifacts dir) or the path of a run folder")
+    srv.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
+                     help="as for generate (default fp32)")
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
+    srv.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    srv.add_argument("--max-queue", type=int, default=64, help="requests waiting for a slot; beyond: 429 (default 64)")
+    srv.add_argument("--api-key-file", help="a file holding the key clients must send as Authorization: Bearer KEY")
+    srv.add_argument("--allow-ungated", action="store_true", help="serve a variant the benchmark's quality gate "
+                     "rejected or did not measure (logged)")
+    srv.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds the requests in flight "
+                     "may take to finish (default 30)")
+    srv.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
+    srv.add_argument("--artifacts-dir", default="artifacts")
 
     tune = sub.add_parser("tune", help="measure a setting by short trainings and pick the fastest")
     tune_sub = tune.add_subparsers(dest="tune", required=True)
@@ -377,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             return _clean(args)
         if args.command == "generate":
             return _generate(args)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "tune":
             return _tune(args)
         if args.command == "synth-chat":
@@ -417,13 +438,28 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     from llmpipe.tools.generate import run_generate
 
+    run_generate(_run_dir(args), args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
+                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system)
+    return 0
+
+
+def _run_dir(args: argparse.Namespace) -> Path:
     run_dir = Path(args.run)
     if not run_dir.is_dir() or not (args.run.startswith((".", "/")) or os.sep in args.run):
         _recorded_config(args.run, args.artifacts_dir)  # a run name: checks the name and that it ran
         run_dir = Path(args.artifacts_dir) / args.run
-    run_generate(run_dir, args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
-                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system)
-    return 0
+    return run_dir
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from llmpipe.tools.generate import MAX_THREADS
+    from llmpipe.tools.serve import run_serve
+
+    if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
+        raise ConfigError(f"--threads {args.threads}: must be between 1 and {MAX_THREADS}")
+    run_dir = _run_dir(args)
+    return run_serve(run_dir, run_dir.name, args.variant, args.host, args.port, args.max_batch, args.max_queue,
+                     args.api_key_file, args.allow_ungated, args.threads, args.drain_timeout)
 
 
 def _written_under(args: argparse.Namespace) -> str | None:

@@ -1,0 +1,253 @@
+"""Serving under concurrent load: `llmpipe serve` with continuous batching vs the same server with batching
+off (--max-batch 1: one request at a time), and the server over HTTP vs `llmpipe generate`'s engine in
+process, side by side in one run, as ratios.
+
+It builds a run of the given flavor with random-init weights (speed does not depend on the values;
+the output rows of eos give logit 0, so every request generates exactly --new tokens): consolidate's and
+export_onnx's folders (prefill + static decoder), a tokenizer trained on this checkout's README. A fixed,
+seeded set of prompts (--prompt-tokens each, cut from the README) is sent by C client threads at
+concurrency C (each sends its next request when the last one ended), streamed (SSE) with usage:
+
+    output tokens/s   completion tokens of all requests / wall time from the first send to the last end
+    TTFT              from a request's send to its first streamed text chunk (p50, p99)
+    TPOT              (end - first chunk) / (tokens - 1), per request (p50)
+
+The in-process baseline runs the same prompts one after another through open_run's engine and
+llmpipe.infer.decode.generate (what `llmpipe generate` does, without printing). Both servers stay up and
+the measurements are repeated in turn (medians), so a machine whose load drifts shifts them alike.
+
+    python benchmarks/serve.py --flavor small --requests 8 --new 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+# NOTE: lets `python benchmarks/serve.py` run from a checkout without installing llmpipe.
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import httpx  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from llmpipe.data.tokenizer import train_tokenizer  # noqa: E402
+from llmpipe.export import onnx as export  # noqa: E402
+from llmpipe.manifest import Manifest, file_entry  # noqa: E402
+from llmpipe.models.llama import FLAVORS, Transformer  # noqa: E402
+from llmpipe.models.llama import io as model_io  # noqa: E402
+from llmpipe.stages import stage_dir  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--flavor", default="small")
+    p.add_argument("--cache", type=int, default=512, help="static decoder cache slots")
+    p.add_argument("--concurrency", default="1,4,8")
+    p.add_argument("--requests", type=int, default=16, help="requests per measurement")
+    p.add_argument("--prompt-tokens", type=int, default=32)
+    p.add_argument("--new", type=int, default=64, help="tokens generated per request")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repetitions (medians reported)")
+    return p.parse_args(argv)
+
+
+def _publish(folder: Path, stage: str, outputs: dict[str, str], **metrics) -> None:
+    Manifest(stage, "completed", "bench", {k: file_entry(folder, v) for k, v in outputs.items()},
+             metrics=metrics).write(folder)
+
+
+def build_run(run: Path, flavor: str, cache: int, text: str) -> None:
+    tok = train_tokenizer([text], vocab_size=4096)
+    args = replace(FLAVORS[flavor], vocab_size=tok.get_vocab_size(), max_seq_len=max(cache, 64))
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        model.output.weight[tok.token_to_id("<|endoftext|>")] = 0.0  # never the argmax: no early end
+    model.eval()
+    folder = stage_dir(run, "consolidate")
+    folder.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items() if "freqs" not in k},
+              str(folder / model_io.WEIGHTS))
+    model_io.write_args(folder, args, "float32")
+    tok.save(str(folder / model_io.TOKENIZER))
+    _publish(folder, "consolidate", {"model": model_io.WEIGHTS, "model_config": model_io.CONFIG,
+                                     "tokenizer": model_io.TOKENIZER})
+    folder = stage_dir(run, "export_onnx")
+    folder.mkdir(parents=True)
+    export.export_prefill(model, folder / "model.onnx", opset=17)
+    export.export_static_decoder(model, folder / "decoder_static.onnx", opset=17, length=cache)
+    _publish(folder, "export_onnx", {"model": "model.onnx", "decoder_static": "decoder_static.onnx"},
+             static_decoder_cache_len=cache)
+
+
+def prompts(tok, text: str, n: int, length: int, seed: int) -> list[str]:
+    ids = tok.encode(text).ids
+    starts = np.random.default_rng(seed).integers(0, len(ids) - length, n)
+    return [tok.decode(ids[s:s + length]) for s in starts]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, run: Path, max_batch: int, log: Path):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen([sys.executable, "-m", "llmpipe", "serve", str(run), "--port",
+                                          str(self.port), "--max-batch", str(max_batch), "--max-queue", "64",
+                                          "--allow-ungated"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(log.read_text()[-2000:])
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=120)
+
+
+def one_request(http: httpx.Client, model: str, prompt: str, new: int) -> dict:
+    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    first, tokens = None, 0
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            elif first is None and chunk["choices"] and chunk["choices"][0]["text"]:
+                first = time.perf_counter()
+    end = time.perf_counter()
+    first = first or end
+    return {"ttft": first - t0, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens}
+
+
+def load(server: Server, model: str, texts: list[str], concurrency: int, new: int) -> dict:
+    todo = list(enumerate(texts))
+    lock, results = threading.Lock(), []
+
+    def worker() -> None:
+        with httpx.Client(base_url=server.url, timeout=600) as http:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    _, prompt = todo.pop(0)
+                r = one_request(http, model, prompt, new)
+                with lock:
+                    results.append(r)
+
+    one_request(httpx.Client(base_url=server.url, timeout=600), model, texts[0], 4)  # warm up
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ttft = [r["ttft"] for r in results]
+    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft_p50": float(np.percentile(ttft, 50)),
+            "ttft_p99": float(np.percentile(ttft, 99)), "tpot_p50": float(np.median([r["tpot"] for r in results]))}
+
+
+class InProcess:
+    """The same prompts one after another through open_run's engine (what `llmpipe generate` runs)."""
+
+    def __init__(self, run: Path, texts: list[str]):
+        from llmpipe.tools.generate import open_run
+
+        self.loaded = open_run(run, "fp32")
+        self.ids = [np.array([self.loaded.tokenizer.encode(t).ids]) for t in texts]
+
+    def measure(self, new: int) -> dict:
+        from llmpipe.infer.decode import generate
+        from llmpipe.tools.generate import pick_greedy
+
+        generate(self.loaded.engine, self.ids[0], 4, pick_greedy)
+        t0, tokens, ttft = time.perf_counter(), 0, []
+        for x in self.ids:
+            g = generate(self.loaded.engine, x, new, pick_greedy, stop_id=self.loaded.eos_ids)
+            tokens += g.tokens.shape[1]
+            ttft.append(g.ttft_s)
+        return {"tokens_per_s": tokens / (time.perf_counter() - t0), "ttft_p50": float(np.median(ttft))}
+
+
+def _median_rows(samples: list[dict]) -> dict:
+    return {k: float(np.median([r[k] for r in samples])) for k in samples[0]}
+
+
+def main(argv: list[str] | None = None) -> None:
+    a = parse_args(argv)
+    levels = [int(c) for c in a.concurrency.split(",")]
+    text = (ROOT / "README.md").read_text()
+    with tempfile.TemporaryDirectory() as tmp:
+        run = Path(tmp) / "bench"
+        t = time.perf_counter()
+        build_run(run, a.flavor, a.cache, text)
+        from llmpipe.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(stage_dir(run, "consolidate") / model_io.TOKENIZER)
+        texts = prompts(tok, text, a.requests, a.prompt_tokens, a.seed)
+        print(f"flavor {a.flavor}, cache {a.cache}, {a.requests} requests of {a.prompt_tokens} prompt tokens, "
+              f"{a.new} new tokens each, greedy; medians of {a.repeats} interleaved repeats "
+              f"(built in {time.perf_counter() - t:.0f} s)", flush=True)
+        # NOTE: both servers stay up (an idle one waits on a condition, using no CPU) and every measurement
+        # is repeated in turn, so a machine whose load drifts shifts all of them alike.
+        servers = {"batching": Server(run, max(levels), Path(tmp) / "batching.log"),
+                   "one at a time": Server(run, 1, Path(tmp) / "single.log")}
+        local = InProcess(run, texts)
+        samples: dict = {}
+        try:
+            for _ in range(a.repeats):
+                for c in levels:
+                    for mode, server in servers.items():
+                        samples.setdefault((mode, c), []).append(load(server, "bench/fp32", texts, c, a.new))
+                samples.setdefault("local", []).append(local.measure(a.new))
+        finally:
+            for server in servers.values():
+                server.stop()
+    rows = {k: _median_rows(v) for k, v in samples.items()}
+    for mode in servers:
+        for c in levels:
+            r = rows[mode, c]
+            print(f"  {mode:>13} c={c}: {r['tokens_per_s']:7.1f} tokens/s  TTFT p50 {1e3 * r['ttft_p50']:7.1f} ms "
+                  f"p99 {1e3 * r['ttft_p99']:7.1f} ms  TPOT p50 {1e3 * r['tpot_p50']:6.2f} ms")
+    local = rows["local"]
+    print(f"  in-process generate c=1: {local['tokens_per_s']:7.1f} tokens/s  TTFT p50 "
+          f"{1e3 * local['ttft_p50']:.1f} ms")
+    lo, hi = min(levels), max(levels)
+    b = lambda c: rows["batching", c]
+    print(f"tokens/s at c={hi} / c={lo}, continuous batching: {b(hi)['tokens_per_s'] / b(lo)['tokens_per_s']:.2f}x "
+          "(goal >= 4)")
+    print(f"tokens/s at c={hi}, batching / one at a time: "
+          f"{b(hi)['tokens_per_s'] / rows['one at a time', hi]['tokens_per_s']:.2f}x")
+    print(f"TTFT p99 at c={hi} / TTFT p50 at c={lo}: {b(hi)['ttft_p99'] / b(lo)['ttft_p50']:.2f}x (goal <= 3)")
+    print(f"tokens/s over HTTP streaming / in-process generate, c={lo}: "
+          f"{b(lo)['tokens_per_s'] / local['tokens_per_s']:.2f} (goal >= 0.9)")
+
+
+if __name__ == "__main__":
+    main()

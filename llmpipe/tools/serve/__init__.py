@@ -1,0 +1,156 @@
+"""`llmpipe serve RUN`: an OpenAI-compatible endpoint over exactly the artifact that passed its gates.
+
+Before anything listens: the options are checked, the variant's files are verified against their
+stages' manifests and its graphs against the decoder's contract (llmpipe.tools.generate.open_run), the
+chat template against training's digest (run_template), and the benchmark stage must have completed
+(its files verified) with the variant measured by its quality gate and not rejected; otherwise one
+`error:` line (--allow-ungated serves anyway, and says so in the log). The routes are in app.py, the
+decode loop (continuous batching over the static decoder's rows) in scheduler.py.
+
+SIGTERM (or Ctrl-C) drains: new requests get 503, the ones in flight finish (at most --drain-timeout
+seconds, then they are cut), the process exits 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+
+from llmpipe.config import ConfigError
+from llmpipe.errors import UserError
+
+log = logging.getLogger(__name__)
+MAX_KEY_BYTES = 4096
+
+
+class ServeError(UserError):
+    """A run that may not be served (gates, files), or a key file that cannot be used."""
+
+
+def gate_problem(run_dir: Path, variant: str) -> str | None:
+    """Why `variant` of the run has not passed the benchmark stage's gates, or None."""
+    from llmpipe.manifest import Manifest
+    from llmpipe.stages import stage_dir
+
+    folder = stage_dir(run_dir, "benchmark")
+    manifest = Manifest.read(folder)
+    if manifest is None or manifest.status != "completed":
+        return f"{run_dir}: the benchmark stage has not completed, so no quality gate has passed"
+    problem = manifest.verify(folder)
+    if problem:
+        return f"{folder}: {problem}"
+    if variant in (manifest.metrics.get("rejected") or []):
+        return f"{variant} was rejected by the benchmark's quality gate ({folder / 'results.md'})"
+    if variant != "torch" and variant not in (manifest.metrics.get("ppl") or {}):
+        return f"{variant} was not measured by the benchmark's quality gate (is it in benchmark.variants?)"
+    return None
+
+
+def read_key(path: str) -> str:
+    try:
+        raw = Path(path).read_bytes()[:MAX_KEY_BYTES + 1]
+    except OSError as err:
+        raise ConfigError(f"--api-key-file {path}: {err.strerror or err}") from None
+    key = raw.decode("utf-8", "replace").strip()
+    if len(raw) > MAX_KEY_BYTES or not key or any(c.isspace() for c in key):
+        raise ConfigError(f"--api-key-file {path}: must hold one key (no spaces, at most {MAX_KEY_BYTES} bytes)")
+    return key
+
+
+def check_options(host: str, port: int, max_batch: int, max_queue: int, drain_timeout: float) -> None:
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: must be between 0 and 65535")
+    if not 1 <= max_batch <= 256:
+        raise ConfigError(f"--max-batch {max_batch}: must be between 1 and 256")
+    if not 0 <= max_queue <= 100_000:
+        raise ConfigError(f"--max-queue {max_queue}: must be between 0 and 100000")
+    if not 0 <= drain_timeout <= 3600:
+        raise ConfigError(f"--drain-timeout {drain_timeout:g}: must be between 0 and 3600 seconds")
+    if not host:
+        raise ConfigError("--host: empty")
+
+
+def _slots(loaded, max_batch: int):
+    from llmpipe.infer.batching import EngineSlots, SlotBatch
+    from llmpipe.infer.decode import StaticEngine, TorchEngine
+
+    if isinstance(loaded.engine, StaticEngine):
+        batch = SlotBatch(loaded.engine, max_batch)
+        if loaded.engine.batch is not None:
+            return batch, (f"continuous batching over the {loaded.engine.batch} rows the decoder was compiled for "
+                           "(convert_om.decode_batch), all run each step")
+        return batch, "continuous batching over the static decoder's rows"
+    model = loaded.engine.model
+    return (EngineSlots(lambda: TorchEngine(model, loaded.engine.dev), max_batch, loaded.engine.capacity),
+            "one PyTorch engine per slot, stepped in turn (no batched step)")
+
+
+def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, max_batch: int, max_queue: int,
+              api_key_file: str | None, allow_ungated: bool, threads: int | None = None,
+              drain_timeout: float = 30.0) -> int:
+    import uvicorn
+
+    from llmpipe.tools.generate import chat_stops, open_run, run_template
+    from llmpipe.tools.serve.app import Metrics, Served, build_app
+    from llmpipe.tools.serve.scheduler import Scheduler
+
+    check_options(host, port, max_batch, max_queue, drain_timeout)
+    key = read_key(api_key_file) if api_key_file else None
+    problem = gate_problem(run_dir, variant)
+    if problem and not allow_ungated:
+        raise ServeError(f"{problem}; refusing to serve it (--allow-ungated to serve anyway)")
+    if key is None and host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("serve: listening on %s without an API key (--api-key-file): anyone who reaches it may use it",
+                    host)
+    if problem:
+        log.warning("serve: serving UNGATED (--allow-ungated): %s", problem)
+    template = run_template(run_dir, variant)
+    loaded = open_run(run_dir, variant, threads)
+    slots, how = _slots(loaded, max_batch)
+    stop_ids, stop_strings = chat_stops(loaded, template) if template is not None else ([], [])
+    metrics = Metrics()
+    scheduler = Scheduler(slots, loaded.tokenizer, max_queue, metrics)
+    served = Served(f"{run_name}/{variant}", loaded.tokenizer, loaded.engine.capacity, loaded.eos_ids, template,
+                    stop_ids, stop_strings, scheduler, metrics, key, created=int(time.time()))
+    app = build_app(served)
+    config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
+                            lifespan="off", server_header=False)
+    server = _DrainingServer(config, served, drain_timeout)
+    scheduler.start()
+    log.info("serve: %s (%s; %s), up to %d at once, %d waiting%s", served.name, loaded.describe, how,
+             slots.slots, max_queue, ", API key required" if key else "")
+    try:
+        server.run()
+    finally:
+        scheduler.stop()
+    return 0
+
+
+class _DrainingServer:
+    """uvicorn's Server whose first SIGTERM/SIGINT drains (503 to new requests, in-flight ones finish
+    within the timeout) before it stops; a second one stops at once."""
+
+    def __new__(cls, config, served, timeout: float):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            def handle_exit(self, sig, frame):  # NOTE: not recorded, so uvicorn does not re-raise it at exit
+                if served.draining:
+                    self.should_exit = self.force_exit = True
+                    return
+                served.draining = True
+                log.info("serve: signal %d: draining (%d requests in flight, at most %gs)",
+                         sig, served.scheduler.busy(), timeout)
+                threading.Thread(target=self._drain, daemon=True).start()
+
+            def _drain(self):
+                deadline = time.monotonic() + timeout
+                while served.scheduler.busy() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if served.scheduler.busy():
+                    log.warning("serve: drain timeout: cutting %d requests", served.scheduler.busy())
+                self.should_exit = True
+
+        return Server(config)

@@ -1,0 +1,438 @@
+"""`llmpipe serve` (issue 26) as a user meets it: one real server process on a free loopback port, driven by
+the official `openai` client and httpx. The run is a small hand-made one (the tiny flavor with a 2048-slot
+cache; consolidate's and export_onnx's folders with a chatml template, a benchmark manifest whose gate
+rejected int8), built once for the module; its output head gives eos and the end-of-turn token a zero row,
+so greedy text never ends before max_tokens and a long generation is long on purpose."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from safetensors.torch import save_file
+
+from llmpipe.chat.template import BUILTIN_TEMPLATES
+from llmpipe.checkpoint.template_digest import METRIC, RENDER, digest
+from llmpipe.cli import main
+from llmpipe.export import onnx as export
+from llmpipe.manifest import Manifest, file_entry
+from llmpipe.models.llama import FLAVORS, Transformer
+from llmpipe.models.llama import io as model_io
+from llmpipe.stages import stage_dir
+from llmpipe.tools.generate import run_generate
+
+CACHE = 2048
+ARGS = replace(FLAVORS["tiny"], vocab_size=300, max_seq_len=CACHE)
+CHATML = BUILTIN_TEMPLATES["chatml"]
+TEXT = ("def main(x):\n    return x + 1\n" * 10 + "<|im_start|>user\nWhat is 7 * 6?<|im_end|>\n"
+        "<|im_start|>assistant\n42<|im_end|>\n") * 4
+
+
+def _publish(folder: Path, stage: str, outputs: dict[str, str], **metrics) -> None:
+    entries = {name: file_entry(folder, rel) for name, rel in outputs.items()}
+    Manifest(stage, "completed", "test", entries, metrics=metrics).write(folder)
+
+
+def build_run(run: Path) -> Path:
+    """consolidate (weights, model config, tokenizer, chatml template), export_onnx (prefill + static
+    decoder of CACHE slots, the template) and a benchmark manifest (fp32 and fp16 passed, int8 rejected)."""
+    from llmpipe.data.tokenizer import train_tokenizer
+
+    tok = train_tokenizer([TEXT], vocab_size=ARGS.vocab_size, extra_special=["<|im_start|>", "<|im_end|>"])
+    model = Transformer(ARGS)
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        for name in ("<|endoftext|>", "<|im_end|>"):
+            model.output.weight[tok.token_to_id(name)] = 0.0  # logit 0: below the best of 299 others
+    model.eval()
+    sha = digest(CHATML)
+    folder = stage_dir(run, "consolidate")
+    folder.mkdir(parents=True)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if "freqs" not in k}
+    save_file(weights, str(folder / model_io.WEIGHTS))
+    model_io.write_args(folder, ARGS, "float32")
+    tok.save(str(folder / model_io.TOKENIZER))
+    (folder / "chat_template.jinja").write_text(CHATML)
+    _publish(folder, "consolidate", {"model": model_io.WEIGHTS, "model_config": model_io.CONFIG,
+                                     "tokenizer": model_io.TOKENIZER, "chat_template": "chat_template.jinja"},
+             **{METRIC: sha, RENDER: {"bos_token": "", "eos_token": "<|endoftext|>"}})
+    folder = stage_dir(run, "export_onnx")
+    folder.mkdir(parents=True)
+    export.export_prefill(model, folder / "model.onnx", opset=17)
+    export.export_static_decoder(model, folder / "decoder_static.onnx", opset=17, length=CACHE)
+    (folder / "chat_template.jinja").write_text(CHATML)
+    _publish(folder, "export_onnx", {"model": "model.onnx", "decoder_static": "decoder_static.onnx",
+                                     "chat_template": "chat_template.jinja"},
+             static_decoder_cache_len=CACHE, **{METRIC: sha})
+    folder = stage_dir(run, "benchmark")
+    folder.mkdir(parents=True)
+    (folder / "results.json").write_text("{}")
+    _publish(folder, "benchmark", {"results": "results.json"}, rejected=["int8"],
+             ppl={"fp32": 10.0, "fp16": 10.0, "int8": 11.0})
+    return run
+
+
+# --------------------------------------------------------------------------- one server for the module
+
+KEY = "sk-test-6f1d0c9a"
+MODEL = "run/fp32"
+LONG = 2000  # tokens: a generation that lasts seconds (the eos rows are zero)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`llmpipe serve` as a subprocess on a free loopback port, ready once GET /health answers 200."""
+
+    def __init__(self, run: Path, log: Path, *args: str):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log
+        argv = [sys.executable, "-m", "llmpipe", "serve", str(run), "--port", str(self.port), "--threads", "1", *args]
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 120
+        while True:
+            assert self.proc.poll() is None, log.read_text()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(f"{self.url}/metrics").text
+        return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+
+    def wait_for(self, **want: float) -> dict[str, float]:
+        """Poll /metrics until every `name=value` holds (names without the llmpipe_ prefix)."""
+        deadline = time.monotonic() + 30
+        while True:
+            m = self.metrics()
+            if all(m.get(f"llmpipe_{k}") == v for k, v in want.items()):
+                return m
+            assert time.monotonic() < deadline, (want, m)
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    return build_run(tmp_path_factory.mktemp("serve") / "run")
+
+
+@pytest.fixture(scope="module")
+def server(run, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("server")
+    (folder / "key").write_text(KEY + "\n")
+    srv = Server(run, folder / "server.log", "--max-batch", "2", "--max-queue", "1",
+                 "--api-key-file", str(folder / "key"))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0)
+
+
+def _post(server, path: str, body, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key is not None else {}
+    data = body if isinstance(body, bytes | str) else json.dumps(body)
+    kw.setdefault("timeout", 60)
+    return httpx.post(f"{server.url}{path}", content=data, headers={**headers, "Content-Type": "application/json"},
+                      **kw)
+
+
+# --------------------------------------------------------------------------- the OpenAI API
+
+
+def test_models_lists_the_run_and_its_variant(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_the_openai_client_completes_a_prompt_with_and_without_streaming(client):
+    whole = client.completions.create(model=MODEL, prompt="def main(", max_tokens=24, temperature=0)
+    assert whole.model == MODEL
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 24
+    assert whole.usage.prompt_tokens + 24 == whole.usage.total_tokens
+    chunks = list(client.completions.create(model=MODEL, prompt="def main(", max_tokens=24, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].usage.completion_tokens == 24
+
+
+def test_the_openai_client_chats_with_and_without_streaming(client):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 7 * 6?"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].finish_reason == "length"
+    assert whole.usage.completion_tokens == 12
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_greedy_text_through_the_server_equals_llmpipe_generates(client, run):
+    served = client.completions.create(model=MODEL, prompt="def main(x):", max_tokens=40, temperature=0)
+    local = run_generate(run, "def main(x):", 40, "fp32", out=io.StringIO())
+    assert served.choices[0].text == local["text"]
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 7 * 6?"}],
+                                            max_tokens=20, temperature=0)
+    local = run_generate(run, None, 20, "fp32", out=io.StringIO(), chat="What is 7 * 6?")
+    assert answer.choices[0].message.content == local["text"]
+
+
+def test_stop_sequences_cut_the_text_and_a_seed_repeats_a_sample(client):
+    text = client.completions.create(model=MODEL, prompt="def", max_tokens=30, temperature=0).choices[0].text
+    stop = text[12:15]
+    cut = client.completions.create(model=MODEL, prompt="def", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == text[:text.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    draws = [client.completions.create(model=MODEL, prompt="def", max_tokens=30, temperature=1.0, top_p=0.9,
+                                       seed=5).choices[0].text for _ in range(2)]
+    assert draws[0] == draws[1]
+
+
+def test_concurrent_requests_decode_together_and_each_gets_its_text_alone(client):
+    """Two prompts of different lengths in one batch (rows at different positions) give each the
+    greedy text it gets alone."""
+    prompts = ["def main(x):\n    return", "What"]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=60, temperature=0).choices[0].text
+             for p in prompts]
+    together: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        together[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=60,
+                                                temperature=0).choices[0].text
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [together[0], together[1]] == alone
+
+
+# --------------------------------------------------------------------------- security and bad input
+
+
+def test_a_missing_or_wrong_api_key_is_401_with_the_error_object(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1}
+    for key in (None, "sk-wrong", KEY + "x"):
+        r = _post(server, "/v1/completions", body, key=key)
+        assert r.status_code == 401
+        assert r.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{server.url}/v1", api_key="sk-wrong", max_retries=0).models.list()
+    assert _post(server, "/v1/completions", body).status_code == 200
+
+
+BAD = [
+    ("not json", b"{\"model\": ", 400, None, "the body is not valid JSON"),
+    ("not an object", [1, 2], 400, None, "the body must be a JSON object"),
+    ("NaN temperature", b'{"model": "run/fp32", "prompt": "x", "temperature": NaN}', 400, None,
+     "the body is not valid JSON"),
+    ("wrong type", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "max_tokens", "max_tokens: "),
+    ("prompt not text", {"model": MODEL, "prompt": 5}, 400, "prompt", "prompt: "),
+    ("no model", {"prompt": "x"}, 400, "model", "model: "),
+    ("max_tokens 0", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens", "max_tokens: "),
+    ("negative temperature", {"model": MODEL, "prompt": "x", "temperature": -0.5}, 400, "temperature",
+     "temperature: "),
+    ("top_p 0", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "top_p", "top_p: "),
+    ("n 2", {"model": MODEL, "prompt": "x", "n": 2}, 400, "n", "n: "),
+    ("five stops", {"model": MODEL, "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop",
+     "stop: at most 4 non-empty strings"),
+    ("unknown model", {"model": "other/fp32", "prompt": "x"}, 404, "model",
+     "model: 'other/fp32' is not served here (this server serves 'run/fp32')"),
+    ("prompt too long", {"model": MODEL, "prompt": "def main(x): " * 2000}, 400, "prompt", "prompt: "),
+    ("body too large", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, None,
+     "request body larger than 1048576 bytes"),
+]
+
+
+@pytest.mark.parametrize("body,status,param,message", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_bad_input_is_a_4xx_with_openais_error_object(server, body, status, param, message):
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param
+    assert error["message"].startswith(message)
+    assert "Traceback" not in r.text
+
+
+def test_a_prompt_longer_than_the_context_says_both_numbers(server):
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "def main(x): " * 2000})
+    assert r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["message"].endswith(f"but the model's context holds {CACHE}; shorten it")
+
+
+def test_bad_chat_messages_are_a_4xx_with_openais_error_object(server):
+    for messages, param in (([], "messages"), ([{"role": "robot", "content": "x"}], "messages.0.role"),
+                            ([{"role": "user"}], "messages.0.content")):
+        r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": messages})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param
+
+
+def test_a_full_queue_is_429_with_retry_after(server):
+    """--max-batch 2 --max-queue 1: two decode, one waits, the fourth is refused."""
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0, "stream": True}
+        streams = []
+        try:
+            for want in ({"batch_size": 1}, {"batch_size": 2}, {"batch_size": 2, "queue_length": 1}):
+                streams.append(http.stream("POST", "/v1/completions", json=body))
+                streams[-1].__enter__()
+                server.wait_for(**want)
+            r = http.post("/v1/completions", json={**body, "stream": False})
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "1"
+            assert r.json()["error"]["type"] == "rate_limit_exceeded"
+        finally:
+            for s in streams:
+                s.__exit__(None, None, None)
+    server.wait_for(batch_size=0, queue_length=0)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_slot(server):
+    before = server.metrics()["llmpipe_completion_tokens_total"]
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0, "stream": True}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            first = next(r.iter_lines())
+            assert first.startswith("data: ")
+    after = server.wait_for(batch_size=0)["llmpipe_completion_tokens_total"]
+    assert after - before < LONG  # freed before its max_tokens
+    assert _post(server, "/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_that_gives_up_on_a_whole_completion_frees_its_slot(server):
+    before = server.metrics()["llmpipe_completion_tokens_total"]
+    with pytest.raises(httpx.ReadTimeout):
+        _post(server, "/v1/completions", {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0},
+              timeout=httpx.Timeout(60, read=0.3))
+    after = server.wait_for(batch_size=0)["llmpipe_completion_tokens_total"]
+    assert after - before < LONG
+
+
+def test_health_and_metrics_count_requests_and_tokens(server):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok", "model": MODEL}
+    m = server.metrics()
+    assert m["llmpipe_completion_tokens_total"] > 0
+    assert m["llmpipe_time_to_first_token_seconds_count"] > 0
+    text = httpx.get(f"{server.url}/metrics").text
+    assert 'llmpipe_requests_total{route="/v1/completions",status="401"}' in text
+    assert "llmpipe_time_per_output_token_seconds_bucket" in text
+
+
+# --------------------------------------------------------------------------- what may be served
+
+
+def test_a_variant_the_gate_rejected_or_a_run_without_benchmark_is_refused_in_one_line(run, tmp_path, capsys):
+    assert main(["serve", str(run), "--variant", "int8"]) == 1
+    bench = stage_dir(run, "benchmark")
+    assert capsys.readouterr().err == (f"error: int8 was rejected by the benchmark's quality gate "
+                                       f"({bench / 'results.md'}); refusing to serve it (--allow-ungated to "
+                                       "serve anyway)\n")
+    copy = shutil.copytree(run, tmp_path / "run")
+    shutil.rmtree(stage_dir(copy, "benchmark"))
+    assert main(["serve", str(copy)]) == 1
+    assert capsys.readouterr().err == (f"error: {copy}: the benchmark stage has not completed, so no quality gate "
+                                       "has passed; refusing to serve it (--allow-ungated to serve anyway)\n")
+
+
+def test_a_tampered_benchmark_or_a_bad_option_is_refused_before_anything_loads(run, tmp_path, capsys):
+    copy = shutil.copytree(run, tmp_path / "run")
+    bench = stage_dir(copy, "benchmark")
+    (bench / "results.json").write_text('{"rejected": []}')
+    assert main(["serve", str(copy)]) == 1
+    assert capsys.readouterr().err == (f"error: {bench}: output results has 16 bytes, manifest says 2; refusing "
+                                       "to serve it (--allow-ungated to serve anyway)\n")
+    for argv, line in ((["--max-batch", "0"], "--max-batch 0: must be between 1 and 256"),
+                       (["--port", "70000"], "--port 70000: must be between 0 and 65535"),
+                       (["--api-key-file", str(tmp_path / "none")], f"--api-key-file {tmp_path / 'none'}: "
+                                                                    "No such file or directory")):
+        assert main(["serve", str(run), *argv]) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+
+
+def _text_run(run: Path, tmp_path: Path) -> Path:
+    """The run without its chat template and without a benchmark (a text run, ungated)."""
+    copy = shutil.copytree(run, tmp_path / "text")
+    shutil.rmtree(stage_dir(copy, "benchmark"))
+    for stage in ("consolidate", "export_onnx"):
+        folder = stage_dir(copy, stage)
+        (folder / "chat_template.jinja").unlink()
+        m = Manifest.read(folder)
+        del m.outputs["chat_template"]
+        m.metrics = {k: v for k, v in m.metrics.items() if k not in (METRIC, RENDER)}
+        m.write(folder)
+    return copy
+
+
+def test_a_text_run_served_ungated_refuses_chat_with_the_error_object(run, tmp_path):
+    srv = Server(_text_run(run, tmp_path), tmp_path / "text.log", "--allow-ungated")
+    try:
+        r = httpx.post(f"{srv.url}/v1/chat/completions",
+                       json={"model": "text/fp32", "messages": [{"role": "user", "content": "hi"}]})
+        assert r.status_code == 400
+        assert r.json()["error"] == {"message": "text/fp32 has no chat template (it was trained on text); use "
+                                     "/v1/completions", "type": "invalid_request_error", "param": "messages",
+                                     "code": None}
+        assert httpx.post(f"{srv.url}/v1/completions", json={"model": "text/fp32", "prompt": "x"}).status_code == 200
+    finally:
+        srv.stop()
+    assert srv.proc.returncode == 0
+    assert "serve: serving UNGATED (--allow-ungated): " in srv.log.read_text()
+
+
+# --------------------------------------------------------------------------- last: the shared server stops
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)
+            late = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": MODEL, "prompt": "x"})
+            assert late.status_code == 503
+            assert late.json()["error"]["message"] == "the server is shutting down"
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == LONG
+    assert server.proc.wait(timeout=60) == 0
+    assert KEY not in server.log.read_text()
