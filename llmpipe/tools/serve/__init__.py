@@ -50,7 +50,8 @@ def gate_problem(run_dir: Path, variant: str) -> str | None:
 
 def read_key(path: str) -> str:
     try:
-        raw = Path(path).read_bytes()[:MAX_KEY_BYTES + 1]
+        with open(path, "rb") as f:  # at most one byte past the limit, whatever the file holds
+            raw = f.read(MAX_KEY_BYTES + 1)
     except OSError as err:
         raise ConfigError(f"--api-key-file {path}: {err.strerror or err}") from None
     key = raw.decode("utf-8", "replace").strip()
