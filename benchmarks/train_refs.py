@@ -52,14 +52,19 @@ def main() -> None:
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(other), a.ref], check=True,
                        capture_output=True)
         try:
-            cfg = config_mod.load(ROOT / "configs" / "tiny.yaml",
-                                  [f"run.artifacts_dir={tmp / 'artifacts'}", f"train.max_steps={a.steps}",
-                                   f"train.nproc_per_node={a.nproc}", f"train.checkpoint.every_steps={a.steps}",
-                                   f"train.eval.every_steps={a.steps}", "train.eval.batches=1"])
+            overrides = [f"run.artifacts_dir={tmp / 'artifacts'}", f"train.max_steps={a.steps}",
+                         f"train.nproc_per_node={a.nproc}", f"train.checkpoint.every_steps={a.steps}",
+                         f"train.eval.every_steps={a.steps}", "train.eval.batches=1"]
+            cfg = config_mod.load(ROOT / "configs" / "tiny.yaml", overrides)
             stages.run_stage("prepare_data", cfg)
             data = stages.stage_dir(cfg.run_dir(), "prepare_data")
+            # the config as written, not resolved: each revision fills in its own defaults (an older one
+            # refuses fields added since)
+            tree = yaml.safe_load((ROOT / "configs" / "tiny.yaml").read_text())
+            for assignment in overrides:
+                config_mod.apply_override(tree, assignment)
             config = tmp / "config.yaml"
-            config.write_text(yaml.safe_dump(cfg.to_dict()))
+            config.write_text(yaml.safe_dump(tree))
             rows: dict[str, list[float]] = {"this checkout": [], a.ref: []}
             for i in range(a.runs):
                 for name, tree in (("this checkout", ROOT), (a.ref, other)):
