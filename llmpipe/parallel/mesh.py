@@ -109,8 +109,11 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 
 
 def check_supported(cfg, precision: str) -> None:
-    """What the composed layout does not do (yet), as one clear line each."""
+    """What the composed layout does not do (yet) with tp or pp > 1, as one clear line each; nothing at
+    tp = pp = 1 (DDP, ZeRO and FSDP2 alone each do all of it)."""
     p = cfg.train.parallel
+    if p.tp * p.pp == 1:
+        return
     if p.data == "zero":
         raise LayoutError(f"train.parallel.data=zero cannot be combined with tp={p.tp} / pp={p.pp}: "
                                    "use data=fsdp (ZeRO-3 equivalent) or data=ddp")

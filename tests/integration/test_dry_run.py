@@ -146,6 +146,19 @@ def test_dry_run_bad_world_size_is_one_clear_error(capsys):
     assert capsys.readouterr().err.strip().endswith("dp=8 x tp=4 x pp=2 = 64, but world size is 32")
 
 
+@pytest.mark.parametrize("sets", [["train.parallel.data=zero", "train.parallel.zero_stage=3"],
+                                  ["train.parallel.data=fsdp", "train.precision.dtype=fp16"]],
+                         ids=["zero3", "fsdp-fp16"])
+def test_a_dry_run_at_tp_pp_1_refuses_nothing_training_does(capsys, sets):
+    """What only tp or pp > 1 refuses (ZeRO, fp16 loss scaling) is not refused by the dry run of a plain
+    data-parallel layout, which trains."""
+    argv = ["dryrun", str(ROOT / "configs" / "tiny.yaml"), "--world-size", "2"]
+    code = cli.main([*argv, *[x for s in sets for x in ("--set", s)]])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    assert "x dp 2 = 32 sequences" in captured.out
+
+
 def test_recipe_config_loads():
     cfg = config_mod.load(ROOT / "configs" / "llama7b_64dev.yaml")
     t = cfg.train
