@@ -384,6 +384,13 @@ def test_a_tampered_benchmark_or_a_bad_option_is_refused_before_anything_loads(r
                                                                     "No such file or directory")):
         assert main(["serve", str(run), *argv]) == 2
         assert capsys.readouterr().err == f"error: {line}\n"
+    with socket.socket() as taken:  # a port another process listens on: one line before the model loads
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", str(run), "--port", str(port)]) == 1
+        assert capsys.readouterr().err == (f"error: --port {port}: cannot listen on 127.0.0.1:{port} (Address already "
+                                           "in use)\n")
 
 
 def _text_run(run: Path, tmp_path: Path) -> Path:

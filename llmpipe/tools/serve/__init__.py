@@ -88,6 +88,23 @@ def _slots(loaded, max_batch: int):
             "one PyTorch engine per slot, stepped in turn (no batched step)")
 
 
+def check_listen(host: str, port: int) -> None:
+    """One line, before any model loads, when `host:port` cannot be listened on (a port in use, a host that
+    does not resolve or is not this machine's), instead of uvicorn's error after the load."""
+    import socket
+
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as err:
+        raise ServeError(f"--host {host}: cannot be resolved ({err.strerror})") from None
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(addr)
+        except OSError as err:
+            raise ServeError(f"--port {port}: cannot listen on {host}:{port} ({err.strerror})") from None
+
+
 def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, max_batch: int, max_queue: int,
               api_key_file: str | None, allow_ungated: bool, threads: int | None = None,
               drain_timeout: float = 30.0) -> int:
@@ -99,6 +116,7 @@ def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, 
 
     check_options(host, port, max_batch, max_queue, drain_timeout)
     key = read_key(api_key_file) if api_key_file else None
+    check_listen(host, port)
     problem = gate_problem(run_dir, variant)
     if problem and not allow_ungated:
         raise ServeError(f"{problem}; refusing to serve it (--allow-ungated to serve anyway)")
