@@ -318,11 +318,53 @@ def ort_rows(s: Settings, root: Path) -> list[Row]:
         except Exception as err:
             rows += [Row("ort_prefill_device_fp16", f"{acc}: prefill", "failed", first_line(err)),
                      Row("ort_decode_device_fp16", f"{acc}: decode", "failed", first_line(err))]
+    rows += growing_rows(s, model, args, folder, plan, what)
     rows.append(skipped("ort_optimised", "ORT optimised variant (fused attention, rotary, norms)",
                         "not built yet (issue 25, item 1)"))
+    rows.append(torch_decode_row(s, model, plan, what))
     rows.append(generate_row(s, model, engines.get("device", engines["cpu"]),
                              f"{s.device.type} fp16" if "device" in engines else "cpu fp32"))
     return rows
+
+
+def growing_rows(s: Settings, model, args, folder: Path, plan, what: str) -> list[Row]:
+    """decoder_ort.onnx through GrowingEngine on the CPU provider: the cache fed up to the filled bucket."""
+    from llmpipe.export.onnx import export_ort_decoder
+    from llmpipe.infer.decode import GrowingEngine
+    from llmpipe.infer.ort import create_session
+
+    check = f"ORT cpu fp32 growing cache (decoder_ort.onnx), {what}"
+    try:
+        path = folder / "fp32" / "decoder_ort.onnx"
+        export_ort_decoder(model, path, opset=17, length=s.cache)
+        cpu = device.ort_providers(["cpu"])[0]
+        engine = GrowingEngine(create_session(folder / "fp32" / "model.onnx", cpu, None),
+                               create_session(path, cpu, None), args, s.cache)
+    except Exception as err:
+        return [Row("ort_decode_cpu_growing", f"{check}: decode", "failed", first_line(err))]
+    return measured_rows("cpu_growing", check, engine, plan)[1:]
+
+
+def torch_decode_row(s: Settings, model, plan, what: str) -> Row:
+    """PyTorch eager with its KV cache on the device (bf16 on an accelerator), the baseline an engine beats."""
+    import copy
+
+    from llmpipe.bench.llm import measure_decode
+    from llmpipe.infer.decode import TorchEngine
+
+    dtype = torch.bfloat16 if s.accelerated else torch.float32
+    check = f"decode through PyTorch eager on {s.device.type} {str(dtype).split('.')[-1]}, {what}"
+    try:
+        engine = TorchEngine(copy.deepcopy(model).to(s.device, dtype), s.device)
+        rows = measure_decode(engine, plan)
+    except Exception as err:
+        return Row("torch_decode", check, "failed", first_line(err))
+    bad = [r for r in rows if r["error"]]
+    if bad:
+        return Row("torch_decode", check, "failed", bad[0]["error"])
+    text = ", ".join(f"batch {r['batch']}: {r['decode_tokens_per_s']:,.0f} tokens/s (TPOT {r['tpot_ms']:.2f} ms)"
+                     for r in rows)
+    return Row("torch_decode", check, "ok", text, {"rows": rows})
 
 
 def measured_rows(key: str, check: str, engine, plan) -> list[Row]:
