@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 SCRIPT = ROOT / "benchmarks" / "device_check.py"
 
 ORDER = ["process_group", "train_eager", "train_fsdp2", "train_compile", "memory_vs_plan", "ort_prefill_cpu_fp32",
-         "ort_decode_cpu_fp32", "ort_prefill_device_fp16", "ort_decode_device_fp16", "ort_decode_cpu_growing", "ort_optimised", "torch_decode",
-         "generate"]
+         "ort_decode_cpu_fp32", "ort_prefill_device_fp16", "ort_decode_device_fp16", "ort_decode_cpu_growing",
+         "ort_optimised", "torch_decode", "generate"]
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
