@@ -346,8 +346,8 @@ class CheckpointSection(Section):
         "auto", description="auto: the newest valid checkpoint of this stage, else of an earlier attempt of the "
         "run with the same model and data (a warm start); never (or false): start over; a path: that checkpoint.")
     async_save: bool = Op(False, description="Write checkpoints in the background (DCP async_save, format "
-                          "dcp: data=fsdp or tp/pp > 1); the step loop waits only while the state is copied. "
-                          "Other formats save synchronously (with a log line).")
+                          "dcp: every layout but ZeRO); the step loop waits only while the state is copied. "
+                          "ZeRO saves synchronously (with a log line).")
 
 
 class EvalSection(Section):

@@ -96,6 +96,35 @@ def torchrun(cfg: config_mod.RunConfig, data_dir: Path, out: Path, nproc: int = 
     return code, "\n".join(lines)
 
 
+def checkpoint_weights(folder: Path) -> dict:
+    """A checkpoint's model weights by llmpipe name, whatever its format (DDP and FSDP2 write DCP)."""
+    from llmpipe.checkpoint.portable import read_model
+
+    return read_model(folder)
+
+
+def full_checkpoint(step: Path, root: Path) -> Path:
+    """`step`, a one-process DDP checkpoint (DCP since issue 23), written again under `root` in format
+    "full" as DDP wrote it before: model.safetensors, optimizer.pt keyed by position, trainer_state.pt,
+    by the writer DDP used then (llmpipe.checkpoint.state._write_full), read back through DDP's own
+    reader; meta.json as it was, but for its format."""
+    import torch
+    import yaml
+
+    from llmpipe.checkpoint import io as ckpt_io
+    from llmpipe.checkpoint import state
+    from llmpipe.device import Env
+    from llmpipe.models.llama.model import ModelArgs
+    from llmpipe.parallel.ddp import DDPStrategy
+
+    meta = ckpt_io.read_meta(step)
+    cfg = config_mod.from_dict(yaml.safe_load((step / ckpt_io.CONFIG).read_text()))
+    strategy = DDPStrategy(cfg, Env(0, 1, torch.device("cpu"), "fp32"), ModelArgs(**meta["model"]))
+    trainer = strategy.read_checkpoint(step)
+    old = {k: v for k, v in meta.items() if k not in ("files", "bytes")} | {"format": "full", "state_format": "full"}
+    return ckpt_io.save(root, meta["step"], lambda f: state._write_full(f, strategy.train_state(), trainer, 0), old)
+
+
 def losses(out: Path) -> list[float]:
     """Per-step training losses from a run's metrics.jsonl."""
     from llmpipe.train import metrics

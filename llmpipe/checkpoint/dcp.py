@@ -35,7 +35,9 @@ def save_state(state: dict, folder: Path, rank: int, asynchronous: bool = False,
     if asynchronous:
         pending = dcp.async_save(state, checkpoint_id=target, process_group=group)
     else:
-        dcp.save(state, checkpoint_id=target)
+        with warnings.catch_warnings():  # one process, no group (DDP at world 1): DCP says it assumes so
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.save(state, checkpoint_id=target)
 
     def claims() -> list[Path]:
         return sorted(target.glob(f"__{rank}_*.distcp")) + ([target / ".metadata"] if rank == 0 else [])

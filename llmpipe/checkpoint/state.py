@@ -6,10 +6,14 @@ strategy's format and reads it back, or, for a checkpoint of another layout, rea
 llmpipe name (llmpipe.checkpoint.portable) and loads them into this layout's shards. Which of the two
 is decided once (`reads_own`), from what the checkpoint's meta.json records, never from a class name.
 
-    format "full"       model.safetensors, optimizer.pt, trainer_state.pt (rank 0: replicas are equal)
-    format "dcp"        dcp/ (model and optimizer under llmpipe's names, every rank's shards) and
-                        trainer_state.pt; `state_format` says how the optimizer state is keyed:
-                        "dcp-nested" (torch's {"state", "param_groups"}) or "dcp-flat" (flattened by name)
+    format "dcp"        dcp/ (model and optimizer under llmpipe's names, every rank's shards; a tensor
+                        replicated on several ranks, as DDP's are, is written once, its writes spread
+                        over the ranks) and trainer_state.pt; `state_format` says how the optimizer
+                        state is keyed: "dcp-nested" (torch's {"state", "param_groups"}; DDP and FSDP2)
+                        or "dcp-flat" (flattened by name; tp or pp > 1); DDP's communication hook
+                        state (PowerSGD's error feedback, per rank) beside it, comm_hook_rank<r>.pt
+    format "full"       model.safetensors, optimizer.pt, trainer_state.pt (rank 0: replicas are equal):
+                        what DDP wrote before it wrote DCP; still read, by DDP's own reader
     format "deepspeed"  deepspeed/ (DeepSpeed's files; the trainer state rides as its client state)
 
 LoRA (train.lora, recorded in meta.json): the frozen base weights are saved with the adapters, in
@@ -25,6 +29,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -99,10 +104,18 @@ def state_format(meta_json: dict[str, Any]) -> str | None:
     return _LEGACY_DCP.get(meta_json.get("strategy")) if fmt == "dcp" else fmt
 
 
-def reads_own(meta_json: dict[str, Any], own: str, world: int) -> bool:
-    """Whether a checkpoint is read by the strategy's own reader (state format `own`) rather than
-    resharded from full tensors: the same state format, and for ZeRO the same number of ranks."""
+def format_of(folder: Path) -> str:
+    """The checkpoint format a folder's meta.json records ("dcp" | "full" | "deepspeed")."""
+    return ckpt.read_meta(Path(folder)).get("format")
+
+
+def reads_own(meta_json: dict[str, Any], own: str, world: int, legacy: tuple[str, ...] = ()) -> bool:
+    """Whether a checkpoint is read by the strategy's own reader (state format `own`, or one it wrote
+    before, `legacy`) rather than resharded from full tensors: the same state format, and for ZeRO the
+    same number of ranks."""
     recorded = state_format(meta_json)
+    if recorded in legacy:
+        return True
     same = recorded == own or (recorded is None and meta_json.get("format") == own.split("-")[0])
     return same and (own != "deepspeed" or meta_json.get("world_size") == world)
 
@@ -132,11 +145,12 @@ def write(folder: Path, ts: TrainState, counters_: dict[str, Any], rank: int, as
         return _write_full(folder, ts, counters_, rank)
     from llmpipe.checkpoint.dcp import save_state
 
+    hook = ts.hook.write(folder, rank) if ts.hook is not None else []  # every rank's own, beside dcp/
     written = save_state(_dcp_state(ts), folder, rank, asynchronous, group)
-    if rank != 0:
-        return written
-    torch.save(_trainer_file(ts, counters_), folder / TRAINER)
-    return Written(lambda: [*written.claims(), folder / TRAINER], written.pending)
+    mine = [*hook, folder / TRAINER] if rank == 0 else hook
+    if rank == 0:
+        torch.save(_trainer_file(ts, counters_), folder / TRAINER)
+    return Written(lambda: [*written.claims(), *mine], written.pending)
 
 
 def _write_full(folder: Path, ts: TrainState, counters_: dict[str, Any], rank: int) -> list[Path]:
@@ -217,13 +231,17 @@ def read_own(folder: Path, env, train_state: Callable[[], TrainState], fmt: str)
     from llmpipe.checkpoint.trust import SafeReader
 
     state = _dcp_state(ts)  # the shapes and shardings to load into (initialises Adam's states)
-    dcp.load(state, storage_reader=SafeReader(folder / DCP_DIR))  # no pickle.load of .metadata
+    with warnings.catch_warnings():  # one process, no group (DDP at world 1): DCP says it assumes so
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, storage_reader=SafeReader(folder / DCP_DIR))  # no pickle.load of .metadata
     options = _optim_options(ts)
     for part, opt in zip(ts.parts, ts.optimizers):
         names = set(get_model_state_dict(part))
         set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
         mine = get_optimizer_state_dict(part, opt, options=options)
         set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in mine}, options=options)
+    if ts.hook is not None:
+        ts.hook.read(folder, env.rank, env.world, ckpt.read_meta(folder).get("world_size"))
     return read_trainer(folder, ts)
 
 
@@ -260,7 +278,7 @@ def check_zero_world(folder: Path, world: int) -> None:
 def restore(folder: Path, strategy, world: int) -> dict[str, Any]:
     """Restore `strategy` from a verified checkpoint folder, by its own reader or resharded from full
     tensors (whichever `reads_own` picks from meta.json), and torch's RNG; returns the trainer state."""
-    if reads_own(ckpt.read_meta(folder), strategy.state_format, world):
+    if reads_own(ckpt.read_meta(folder), strategy.state_format, world, strategy.legacy_formats):
         state = strategy.read_checkpoint(folder)  # its own layout (DCP reshards another world size)
     else:  # another layout: full tensors by name, resharded into this one
         state = _load_resharded(strategy, folder)

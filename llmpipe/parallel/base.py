@@ -121,6 +121,7 @@ class Strategy:
     scheds: list[Any]  # one lr schedule per part
     scaler: Any = None  # fp16's GradScaler, else None
     state_format = "full"  # how the state is keyed in `format` (llmpipe.checkpoint.state)
+    legacy_formats: tuple[str, ...] = ()  # state formats it wrote before, still read by its own reader
 
     def train_state(self) -> ckpt_state.TrainState:
         """What a checkpoint holds of this strategy (written and read by llmpipe.checkpoint.state)."""
@@ -137,7 +138,7 @@ class Strategy:
     def read_checkpoint(self, folder: Path) -> dict[str, Any]:
         """Restore from a verified checkpoint folder of this strategy's own format; returns the
         trainer state written with it."""
-        return ckpt_state.read_own(folder, self.env, self.train_state, self.format)
+        return ckpt_state.read_own(folder, self.env, self.train_state, ckpt_state.format_of(folder))
 
     def optimizers(self) -> list[tuple[Any, Any]]:
         """(optimizer, LambdaLR) pairs this strategy steps; a resume re-tunes them to the config."""

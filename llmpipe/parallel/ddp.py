@@ -36,7 +36,8 @@ class DDPStrategy(TorchOptimizerStrategy):
     """DDP across ranks (plain module in one process); torch AdamW; autocast + GradScaler for fp16.
     A strategy of its own for torch DDP's knobs: buckets, static_graph, communication hooks."""
 
-    format = state_format = "full"
+    format, state_format = "dcp", "dcp-nested"  # as FSDP2's: either reads the other's by its own reader
+    legacy_formats = ("full",)  # what DDP wrote before DCP: old runs resume by the same reader as ever
 
     def __init__(self, cfg, env, args):
         self.cfg, self.env = cfg, env

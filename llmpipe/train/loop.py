@@ -170,11 +170,11 @@ def _saver(cfg: RunConfig, env: Env, strategy, out_dir: Path, data_dir: Path | N
     """Every rank's checkpoint saver (collective: makes the asynchronous saves' process group); each
     step folder carries the resolved config and data_dir's tokenizer (ckpt_state.describe)."""
     c = cfg.train.checkpoint
-    asynchronous = c.async_save and strategy.format == "dcp"
+    asynchronous = c.async_save and strategy.format == "dcp" and dist.is_initialized()
     if c.async_save and not asynchronous and env.main:
-        log.info("train.checkpoint.async_save: format %r (train.parallel.data=%s) saves synchronously; "
-                 "asynchronous saves need format 'dcp' (data=fsdp, or tp/pp > 1)",
-                 strategy.format, cfg.train.parallel.data)
+        log.info("train.checkpoint.async_save: format %r (train.parallel.data=%s%s) saves synchronously; "
+                 "asynchronous saves need format 'dcp' (every layout but ZeRO) under torchrun",
+                 strategy.format, cfg.train.parallel.data, "" if dist.is_initialized() else ", in-process")
     return ckpt.Saver(out_dir / "checkpoints", env.rank, env.world, c.keep_last, asynchronous,
                       protect=stable_until(cfg), describe=ckpt_state.describe(cfg, data_dir))
 

@@ -8,11 +8,10 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.train import metrics
-from tests.conftest import cached_runs, make_cfg, make_data_dir
+from tests.conftest import cached_runs, checkpoint_weights, make_cfg, make_data_dir
 from tests.conftest import torchrun as _torchrun
 
 pytestmark = pytest.mark.slow
@@ -68,8 +67,8 @@ def test_powersgd_state_is_in_every_ranks_checkpoint_and_a_resume_is_bitwise(tmp
     assert code == 0, text[-3000:]
     resumed = [r for r in _steps(tmp_path / "cut") if r["step"] > 4]
     assert [r["loss"] for r in resumed][-4:] == [r["loss"] for r in _steps(tmp_path / "whole")][4:]
-    a = load_file(str(ckpt.step_dir(tmp_path / "whole" / "checkpoints", 8) / "model.safetensors"))
-    b = load_file(str(ckpt.step_dir(tmp_path / "cut" / "checkpoints", 8) / "model.safetensors"))
+    a = checkpoint_weights(ckpt.step_dir(tmp_path / "whole" / "checkpoints", 8))
+    b = checkpoint_weights(ckpt.step_dir(tmp_path / "cut" / "checkpoints", 8))
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 

@@ -6,12 +6,11 @@ import os
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.train.loop import train
+from tests.conftest import checkpoint_weights, make_cfg
 from tests.conftest import losses as _losses
-from tests.conftest import make_cfg
 from tests.conftest import torchrun as _torchrun
 
 pytestmark = pytest.mark.slow
@@ -28,8 +27,8 @@ def test_ddp_two_ranks_match_single_process(tmp_path, data_dir, static_graph):
     train(single, data_dir, tmp_path / "single")
     # NOTE: gloo's all-reduce sums in a different order than one process does: ~1e-7 relative.
     torch.testing.assert_close(_losses(tmp_path / "ddp"), _losses(tmp_path / "single"), rtol=1e-5, atol=1e-5)
-    a = load_file(str(ckpt.step_dir(tmp_path / "ddp" / "checkpoints", 6) / "model.safetensors"))
-    b = load_file(str(ckpt.step_dir(tmp_path / "single" / "checkpoints", 6) / "model.safetensors"))
+    a = checkpoint_weights(ckpt.step_dir(tmp_path / "ddp" / "checkpoints", 6))
+    b = checkpoint_weights(ckpt.step_dir(tmp_path / "single" / "checkpoints", 6))
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-5)
 

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from safetensors.torch import load_file
 
 from llmpipe import config as config_mod
 from llmpipe import stages
 from llmpipe.checkpoint import io as ckpt
+from tests.conftest import checkpoint_weights
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
@@ -115,8 +115,8 @@ def test_sigkill_one_rank_then_resume_bitwise(tmp_path):
     assert 5 <= resume_step < 40
     manifest, executed = stages.run_stage("train", cfg)  # the rerun resumes
     assert executed and manifest.metrics["resumed_from"] == resume_step
-    a = load_file(str(ckpt.step_dir(ref_cfg.run_dir() / "02_train" / "checkpoints", 40) / "model.safetensors"))
-    b = load_file(str(ckpt.step_dir(cfg.run_dir() / "02_train" / "checkpoints", 40) / "model.safetensors"))
+    a = checkpoint_weights(ckpt.step_dir(ref_cfg.run_dir() / "02_train" / "checkpoints", 40))
+    b = checkpoint_weights(ckpt.step_dir(cfg.run_dir() / "02_train" / "checkpoints", 40))
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # bitwise
 
 

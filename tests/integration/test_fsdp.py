@@ -26,7 +26,7 @@ from llmpipe.checkpoint.dcp import DCP_DIR, consolidate_dcp
 from llmpipe.config import from_dict
 from llmpipe.stages import run_stage
 from llmpipe.train import metrics
-from tests.conftest import ROOT, cached_runs, make_cfg
+from tests.conftest import ROOT, cached_runs, checkpoint_weights, make_cfg
 from tests.conftest import losses as _losses
 from tests.conftest import torchrun as _torchrun
 
@@ -139,7 +139,7 @@ def test_activation_checkpointing_with_fsdp(runs):
     keys = FileSystemReader(str(_last(ac) / DCP_DIR)).read_metadata().state_dict_metadata
     assert not [k for k in keys if "_checkpoint_wrapped_module" in k or "_fsdp" in k]
     model_keys = {k.removeprefix("model.") for k in keys if k.startswith("model.")}
-    assert model_keys == set(load_file(str(_last(_ddp(runs)) / "model.safetensors")))
+    assert model_keys == set(checkpoint_weights(_last(_ddp(runs))))
 
 
 def test_fsdp_fp16_trains_with_a_loss_scaler(runs):

@@ -74,16 +74,16 @@ def test_lora_trains_the_adapters_alone_and_leaves_the_pretrained_weights_bitwis
 
 
 def test_a_resumed_lora_run_ends_bitwise_where_the_uninterrupted_one_does(runs):
-    from safetensors.torch import load_file
+    from llmpipe.checkpoint import portable
 
     ref = runs("ddp")
     resumed = runs("ddp", "resumed", checkpoint={"every_steps": 2, "resume": str(_checkpoint(ref, 2))})
     manifest = json.loads((resumed.run_dir() / "02_train" / "manifest.json").read_text())
     assert manifest["metrics"]["resumed_from"] == 2
-    a, b = load_file(str(_checkpoint(ref) / ckpt.MODEL)), load_file(str(_checkpoint(resumed) / ckpt.MODEL))
+    ra, rb = portable.read(_checkpoint(ref)), portable.read(_checkpoint(resumed))
+    a, b = ra.model, rb.model
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    oa = torch.load(_checkpoint(ref) / ckpt.OPTIM, weights_only=True)["state"]
-    ob = torch.load(_checkpoint(resumed) / ckpt.OPTIM, weights_only=True)["state"]
+    oa, ob = ra.optim, rb.optim
     assert oa.keys() == ob.keys() and all(torch.equal(oa[i][k], ob[i][k]) for i in oa for k in oa[i])
 
 

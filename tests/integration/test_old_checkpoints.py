@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from llmpipe.checkpoint import io as ckpt
-from tests.conftest import cached_runs, losses, make_cfg, torchrun
+from tests.conftest import cached_runs, full_checkpoint, losses, make_cfg, torchrun
 
 pytestmark = pytest.mark.slow
 
@@ -35,10 +35,14 @@ def runs(tmp_path_factory):
 
 
 def _previous_release(first, tmp_path, strategy: str):
-    """A copy of `first`'s checkpoint AT with meta.json as the previous release wrote it."""
-    old = tmp_path / "checkpoints" / ckpt.step_dir(first / "checkpoints", AT).name
+    """A copy of `first`'s checkpoint AT with meta.json as the previous release wrote it (DDP's in format
+    "full": DDP writes DCP since, and reads its "full" checkpoints by the reader it always had)."""
+    source = ckpt.step_dir(first / "checkpoints", AT)
+    if strategy == "DDPStrategy":
+        source = full_checkpoint(source, tmp_path / "full")
+    old = tmp_path / "checkpoints" / source.name
     old.parent.mkdir()
-    shutil.copytree(ckpt.step_dir(first / "checkpoints", AT), old)
+    shutil.copytree(source, old)
     meta = ckpt.read_meta(old)
     meta = {k: v for k, v in meta.items() if k in PREVIOUS_KEYS} | {"strategy": strategy}
     (old / ckpt.META).write_text(json.dumps(meta, indent=2) + "\n")

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import yaml
-from safetensors.torch import load_file
 
 from llmpipe import attempts, cli, stages
 from llmpipe import config as config_mod
 from llmpipe.checkpoint import io as ckpt
+from tests.conftest import checkpoint_weights
 from tests.integration.test_faults import _rank_pid, _stage, _wait_for_step
 
 pytestmark = pytest.mark.slow
@@ -148,13 +148,13 @@ def test_wsd_extension_from_the_stable_phase_equals_the_longer_run_planned_from_
         ["step-000006", "step-000008"]
     manifest, executed = stages.run_stage("train", _load(short_path, "train.max_steps=12"))
     assert executed and manifest.metrics["warm_start"]["step"] == 6  # the stable phase's last checkpoint
-    a = load_file(str(planned.run_dir() / "02_train" / "checkpoints" / "step-000012" / "model.safetensors"))
-    b = load_file(str(short.run_dir() / "02_train" / "checkpoints" / "step-000012" / "model.safetensors"))
+    a = checkpoint_weights(planned.run_dir() / "02_train" / "checkpoints" / "step-000012")
+    b = checkpoint_weights(short.run_dir() / "02_train" / "checkpoints" / "step-000012")
     assert a.keys() == b.keys() and all((a[k] == b[k]).all() for k in a)  # bitwise
 
 
 def _weights(folder: Path) -> dict:
-    return load_file(str(folder / "model.safetensors"))
+    return checkpoint_weights(folder)
 
 
 def _same(a: dict, b: dict) -> bool:

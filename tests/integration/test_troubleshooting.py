@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.train import metrics
-from tests.conftest import make_cfg, make_data_dir
+from tests.conftest import checkpoint_weights, make_cfg, make_data_dir
 from tests.conftest import torchrun as _torchrun
 
 pytestmark = pytest.mark.slow
@@ -50,7 +49,7 @@ def test_nan_guard_skip_drops_the_update_and_goes_on(tmp_path, data):
     records = [r for r in metrics.read(tmp_path / "out" / "metrics.jsonl") if "loss" in r]
     assert [r.get("skipped", False) for r in records] == [False, True, False]
     root = tmp_path / "out" / "checkpoints"
-    w1, w2, w3 = (load_file(str(ckpt.step_dir(root, s) / ckpt.MODEL)) for s in (1, 2, 3))
+    w1, w2, w3 = (checkpoint_weights(ckpt.step_dir(root, s)) for s in (1, 2, 3))
     assert all(torch.equal(w1[k], w2[k]) for k in w1)  # step 2 changed nothing
     assert not all(torch.equal(w2[k], w3[k]) for k in w2)  # step 3 trained again
     assert all(torch.isfinite(v).all() for v in w3.values())

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from llmpipe import device as dev
 from llmpipe.checkpoint import io as ckpt
-from llmpipe.checkpoint.consolidate import consolidate
+from llmpipe.checkpoint.consolidate import CONSOLIDATORS
 from llmpipe.checkpoint.zero import TAG, consolidate_zero, deepspeed_dir, load_pt
 from llmpipe.config import ConfigError, from_dict
 from llmpipe.device import Env
@@ -85,10 +85,10 @@ def _evals(out: Path) -> list[dict]:
 
 
 def _consolidated(checkpoint: Path, out: Path) -> dict[str, torch.Tensor]:
-    """fp32 weights of a "full" or "deepspeed" checkpoint, through the consolidate stage's functions."""
+    """fp32 weights of a DDP ("dcp") or "deepspeed" checkpoint, through the consolidate stage's functions."""
     out.mkdir(parents=True, exist_ok=True)
     fmt = ckpt.read_meta(checkpoint)["format"]
-    (consolidate_zero if fmt == "deepspeed" else consolidate)(checkpoint, out, "fp32")
+    CONSOLIDATORS[fmt](checkpoint, out, "fp32")
     return load_file(str(out / "model.safetensors"))
 
 

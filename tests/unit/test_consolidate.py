@@ -14,14 +14,15 @@ from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.models.llama import hf
 from llmpipe.models.llama import io as model_io
 from llmpipe.train.loop import train
-from tests.conftest import make_cfg
+from tests.conftest import full_checkpoint, make_cfg
 
 
 @pytest.fixture
 def checkpoint(tmp_path, data_dir):
     cfg = make_cfg(tmp_path, train__max_steps=2, train__checkpoint={"every_steps": 2})
     train(cfg, data_dir, tmp_path / "train")
-    return ckpt.latest_valid(tmp_path / "train" / "checkpoints")
+    # the "full" consolidator reads what DDP wrote before it wrote DCP (consolidate_dcp: test_fsdp)
+    return full_checkpoint(ckpt.latest_valid(tmp_path / "train" / "checkpoints"), tmp_path / "full")
 
 
 def test_streaming_writer_matches_safetensors(tmp_path):

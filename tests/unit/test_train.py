@@ -7,15 +7,14 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.data.sampler import GlobalBatchSampler
 from llmpipe.optim import build_optimizer, lr_factor
 from llmpipe.train import metrics
 from llmpipe.train.loop import train
+from tests.conftest import checkpoint_weights, make_cfg
 from tests.conftest import losses as _losses
-from tests.conftest import make_cfg
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
@@ -52,8 +51,8 @@ def test_accumulation_equals_one_big_batch(tmp_path, data_dir, mb, accum):
     train(ref, data_dir, tmp_path / "ref_out")
     train(acc, data_dir, tmp_path / "acc_out")
     torch.testing.assert_close(_losses(tmp_path / "acc_out"), _losses(tmp_path / "ref_out"), rtol=1e-5, atol=1e-5)
-    wa = load_file(str(ckpt.step_dir(tmp_path / "ref_out" / "checkpoints", 6) / "model.safetensors"))
-    wb = load_file(str(ckpt.step_dir(tmp_path / "acc_out" / "checkpoints", 6) / "model.safetensors"))
+    wa = checkpoint_weights(ckpt.step_dir(tmp_path / "ref_out" / "checkpoints", 6))
+    wb = checkpoint_weights(ckpt.step_dir(tmp_path / "acc_out" / "checkpoints", 6))
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], rtol=1e-4, atol=1e-5)
 
@@ -68,8 +67,8 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, data_dir):
     summary = train(cfg, data_dir, part)
     assert summary["resumed_from"] == 3
     assert _losses(part) == _losses(full)  # bitwise: same floats
-    wa = load_file(str(ckpt.step_dir(full / "checkpoints", 6) / "model.safetensors"))
-    wb = load_file(str(ckpt.step_dir(part / "checkpoints", 6) / "model.safetensors"))
+    wa = checkpoint_weights(ckpt.step_dir(full / "checkpoints", 6))
+    wb = checkpoint_weights(ckpt.step_dir(part / "checkpoints", 6))
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
@@ -77,7 +76,7 @@ def test_corrupted_newest_checkpoint_falls_back_to_the_previous(tmp_path, data_d
     cfg = make_cfg(tmp_path)
     out = tmp_path / "out"
     train(cfg, data_dir, out)
-    newest = ckpt.step_dir(out / "checkpoints", 6) / "model.safetensors"
+    newest = min((ckpt.step_dir(out / "checkpoints", 6) / "dcp").glob("*.distcp"))
     data = bytearray(newest.read_bytes())
     data[-1] ^= 0xFF
     newest.write_bytes(bytes(data))
@@ -111,7 +110,7 @@ def test_activation_checkpointing_gives_identical_losses(tmp_path, data_dir):
     train(a, data_dir, tmp_path / "a_out")
     train(b, data_dir, tmp_path / "b_out")
     torch.testing.assert_close(_losses(tmp_path / "b_out"), _losses(tmp_path / "a_out"), rtol=1e-6, atol=1e-6)
-    keys = load_file(str(ckpt.step_dir(tmp_path / "b_out" / "checkpoints", 6) / "model.safetensors")).keys()
+    keys = checkpoint_weights(ckpt.step_dir(tmp_path / "b_out" / "checkpoints", 6)).keys()
     assert not any("checkpoint_wrapped" in k for k in keys)
 
 
