@@ -9,6 +9,8 @@
     llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
     llmpipe serve RUN [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N] [--max-queue N]
                       [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
+    llmpipe bench serve RUN [--url URL] [--concurrency 1,4,8,16] [--rate R] [--requests N] [--max-tokens N]
+                      [--json OUT]     (an OpenAI-compatible endpoint under load: TTFT, TPOT, tokens/s)
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
@@ -129,6 +131,29 @@ def _parser() -> argparse.ArgumentParser:
                      "may take to finish (default 30)")
     srv.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
     srv.add_argument("--artifacts-dir", default="artifacts")
+
+    bench = sub.add_parser("bench", help="measure a deployed endpoint")
+    bench_sub = bench.add_subparsers(dest="bench", required=True)
+    bsrv = bench_sub.add_parser("serve", help="an OpenAI-compatible endpoint under concurrent load: requests/s, "
+                                "output tokens/s, TTFT and TPOT p50/p90/p99 (the run's own llmpipe serve, or --url)")
+    bsrv.add_argument("run", help="run name or folder: its validation text gives the prompts (and, without --url, "
+                      "its model the server)")
+    bsrv.add_argument("--url", help="measure this OpenAI-compatible server instead (e.g. http://127.0.0.1:8000)")
+    bsrv.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
+                      help="the variant the local server serves (default fp32)")
+    bsrv.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels (default 1,4,8,16)")
+    bsrv.add_argument("--rate", type=float, help="requests/s of seeded Poisson arrivals (default: each client sends "
+                      "its next request when the last one ended)")
+    bsrv.add_argument("--requests", type=int, default=32, help="prompts per level (default 32)")
+    bsrv.add_argument("--prompt-tokens", type=int, default=64, help="tokens per prompt (default 64)")
+    bsrv.add_argument("--max-tokens", type=int, default=64, help="tokens generated per request (default 64)")
+    bsrv.add_argument("--seed", type=int, default=0, help="seed of the prompts and arrivals (default 0)")
+    bsrv.add_argument("--api-key-file", help="the key to send as Authorization: Bearer KEY (and, without --url, "
+                      "the one the local server requires)")
+    bsrv.add_argument("--allow-ungated", action="store_true", help="the local server serves a variant its gates "
+                      "rejected or did not measure")
+    bsrv.add_argument("--json", type=Path, help="also write the results here")
+    bsrv.add_argument("--artifacts-dir", default="artifacts")
 
     tune = sub.add_parser("tune", help="measure a setting by short trainings and pick the fastest")
     tune_sub = tune.add_subparsers(dest="tune", required=True)
@@ -400,6 +425,8 @@ def main(argv: list[str] | None = None) -> int:
             return _serve(args)
         if args.command == "tune":
             return _tune(args)
+        if args.command == "bench":
+            return _bench_serve(args)
         if args.command == "synth-chat":
             from llmpipe.chat import synth
 
@@ -460,6 +487,14 @@ def _serve(args: argparse.Namespace) -> int:
     run_dir = _run_dir(args)
     return run_serve(run_dir, run_dir.name, args.variant, args.host, args.port, args.max_batch, args.max_queue,
                      args.api_key_file, args.allow_ungated, args.threads, args.drain_timeout)
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from llmpipe.tools.serve.bench import bench_serve, parse_levels
+
+    levels = parse_levels(args.concurrency)
+    return bench_serve(_run_dir(args), args.url, args.variant, levels, args.rate, args.requests, args.prompt_tokens,
+                       args.max_tokens, args.seed, args.api_key_file, args.json, args.allow_ungated)
 
 
 def _written_under(args: argparse.Namespace) -> str | None:

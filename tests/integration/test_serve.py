@@ -28,6 +28,7 @@ from safetensors.torch import save_file
 from llmpipe.chat.template import BUILTIN_TEMPLATES
 from llmpipe.checkpoint.template_digest import METRIC, RENDER, digest
 from llmpipe.cli import main
+from llmpipe.data.shards import token_dtype, write_shard
 from llmpipe.export import onnx as export
 from llmpipe.manifest import Manifest, file_entry
 from llmpipe.models.llama import FLAVORS, Transformer
@@ -60,6 +61,10 @@ def build_run(run: Path) -> Path:
             model.output.weight[tok.token_to_id(name)] = 0.0  # logit 0: below the best of 299 others
     model.eval()
     sha = digest(CHATML)
+    folder = stage_dir(run, "prepare_data")  # the validation text `llmpipe bench serve` takes prompts from
+    folder.mkdir(parents=True)
+    tok.save(str(folder / "tokenizer.json"))
+    write_shard(folder / "val.bin", [tok.encode(TEXT).ids], token_dtype(ARGS.vocab_size))
     folder = stage_dir(run, "consolidate")
     folder.mkdir(parents=True)
     weights = {k: v.contiguous() for k, v in model.state_dict().items() if "freqs" not in k}
@@ -443,3 +448,54 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server):
     assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == LONG
     assert server.proc.wait(timeout=60) == 0
     assert KEY not in server.log.read_text()
+
+
+# --------------------------------------------------------------------------- llmpipe bench serve
+
+
+def _bench(run: Path, *args: str) -> int:
+    return main(["bench", "serve", str(run), "--requests", "3", "--prompt-tokens", "8", "--max-tokens", "5", *args])
+
+
+def test_bench_serve_measures_a_running_server_by_its_url_counting_every_request_and_token(server, run, tmp_path):
+    (tmp_path / "key").write_text(KEY)
+    out = tmp_path / "bench.json"
+    assert _bench(run, "--url", server.url, "--concurrency", "1,2", "--api-key-file", str(tmp_path / "key"),
+                  "--json", str(out)) == 0
+    got = json.loads(out.read_text())
+    assert got["model"] == MODEL and [r["concurrency"] for r in got["rows"]] == [1, 2]
+    for r in got["rows"]:
+        assert (r["requests"], r["errors"]) == (3, 0)
+        # the eos rows are zero: every request streams exactly max_tokens, all of them counted
+        assert r["output_tokens_per_s"] * r["wall_s"] == pytest.approx(3 * 5)
+        assert r["requests_per_s"] * r["wall_s"] == pytest.approx(3)
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p90"] <= r["ttft_ms"]["p99"]
+        assert 0 < r["tpot_ms"]["p50"] <= r["tpot_ms"]["p99"]
+
+
+def test_bench_serve_starts_the_runs_own_server_and_stops_it(run, tmp_path):
+    out = tmp_path / "bench.json"
+    assert _bench(run, "--concurrency", "2", "--json", str(out)) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["concurrency"], r["requests"], r["errors"]) for r in rows] == [(2, 3, 0)]
+    log = (run / "serve-bench.log").read_text()
+    assert "serve: run/fp32" in log and "Finished server process" in log  # uvicorn's last line: it exited
+
+
+@pytest.mark.parametrize("args, line", [
+    (["--concurrency", "0"], "error: --concurrency '0': each between 1 and 1024"),
+    (["--concurrency", "1,x"], "error: --concurrency '1,x': a comma-separated list of integers, e.g. 1,4,8,16"),
+    (["--rate", "-2"], "error: --rate -2.0: must be a positive number of requests per second"),
+    (["--prompt-tokens", "100000"], "error: --prompt-tokens 100000: the validation split holds"),
+])
+def test_bench_serve_refuses_bad_options_in_one_line(run, capsys, args, line):
+    assert _bench(run, *args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(line), err
+
+
+def test_bench_serve_names_a_url_nothing_answers(run, capsys):
+    url = f"http://127.0.0.1:{_free_port()}"
+    assert _bench(run, "--url", url) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"error: --url {url}: "), err
