@@ -15,9 +15,12 @@ import yaml
 from prefect import serve  # (flows/__init__.py has set the Prefect defaults)
 from prefect.schedules import Cron
 
+from flows.serve_latest import serve_latest
 from flows.train_to_deploy import train_to_deploy
 
 ROOT = Path(__file__).resolve().parents[1]
+FLOWS = {"flows/train_to_deploy.py:train_to_deploy": train_to_deploy,  # prefect.yaml's entrypoints
+         "flows/serve_latest.py:serve_latest": serve_latest}
 
 
 def deployments(spec_path: Path = ROOT / "prefect.yaml", only: list[str] | None = None) -> list:
@@ -28,7 +31,8 @@ def deployments(spec_path: Path = ROOT / "prefect.yaml", only: list[str] | None 
         if only and d["name"] not in only:
             continue
         schedules = [Cron(s["cron"], timezone=s.get("timezone", "UTC")) for s in d.get("schedules") or []]
-        out.append(train_to_deploy.to_deployment(name=d["name"], description=d.get("description"),
+        flow_fn = FLOWS[d["entrypoint"]]
+        out.append(flow_fn.to_deployment(name=d["name"], description=d.get("description"),
                                                  parameters=d.get("parameters", {}), schedules=schedules))
     return out
 

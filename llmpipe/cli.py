@@ -7,8 +7,8 @@
     llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|om] [--temperature T]
                      [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
     llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
-    llmpipe serve RUN [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N] [--max-queue N]
-                      [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
+    llmpipe serve RUN|--latest-passing [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N]
+                      [--max-queue N] [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
     llmpipe bench serve RUN [--url URL] [--concurrency 1,4,8,16] [--rate R] [--requests N] [--max-tokens N]
                       [--json OUT]     (an OpenAI-compatible endpoint under load: TTFT, TPOT, tokens/s)
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
@@ -117,7 +117,9 @@ def _parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible endpoint (FastAPI + uvicorn) over a finished run whose "
                          "benchmark gates passed")
-    srv.add_argument("run", help="run name (folder under the artifacts dir) or the path of a run folder")
+    srv.add_argument("run", nargs="?", help="run name (folder under the artifacts dir) or the path of a run folder")
+    srv.add_argument("--latest-passing", action="store_true", help="instead of RUN: the run under --artifacts-dir "
+                     "whose benchmark finished last with --variant through its gates")
     srv.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
                      help="as for generate (default fp32)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
@@ -484,13 +486,22 @@ def _serve(args: argparse.Namespace) -> int:
 
     if args.threads is not None and not 1 <= args.threads <= MAX_THREADS:
         raise ConfigError(f"--threads {args.threads}: must be between 1 and {MAX_THREADS}")
-    run_dir = _run_dir(args)
+    if (args.run is None) == (not args.latest_passing):
+        raise ConfigError("serve: name a RUN or pass --latest-passing (one of the two)")
+    if args.latest_passing:
+        from llmpipe.tools.serve import latest_passing
+
+        run_dir = latest_passing(Path(args.artifacts_dir), args.variant)
+        logging.getLogger("llmpipe.serve").info("serve: --latest-passing picked %s", run_dir)
+    else:
+        run_dir = _run_dir(args)
     return run_serve(run_dir, run_dir.name, args.variant, args.host, args.port, args.max_batch, args.max_queue,
                      args.api_key_file, args.allow_ungated, args.threads, args.drain_timeout)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from llmpipe.tools.serve.bench import bench_serve, parse_levels
+    from llmpipe.bench.serving import parse_levels
+    from llmpipe.tools.serve.bench import bench_serve
 
     levels = parse_levels(args.concurrency)
     return bench_serve(_run_dir(args), args.url, args.variant, levels, args.rate, args.requests, args.prompt_tokens,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -561,6 +561,18 @@ class LlmBenchSection(Section):
     sample_tokens: int = Res(48, ge=1, description="Greedy tokens in each shown sample.")
 
 
+class ServingBenchSection(Section):
+    enabled: bool = Res(False, description="Measure `llmpipe serve` under load at the end of the stage: a server "
+                        "of the run started on a free loopback port and stopped (llmpipe.bench.serving; `llmpipe "
+                        "bench serve` measures at length).")
+    variant: Literal["fp32", "fp16", "int8"] = Res("fp32", description="The variant the server serves.")
+    concurrency: list[Annotated[int, Field(ge=1, le=64)]] = Res([1, 4], min_length=1, description="Concurrent "
+                                                                "clients, one measurement each.")
+    requests: int = Res(8, ge=1, le=1000, description="Prompts of the validation text sent per measurement.")
+    prompt_tokens: int = Res(32, ge=1, description="Tokens per prompt.")
+    max_tokens: int = Res(16, ge=1, description="Tokens generated per request (greedy).")
+
+
 class BenchmarkSection(Section):
     variants: list[Literal["fp32", "fp16", "int8"]] = Res(["fp32", "fp16", "int8"], min_length=1,
                                                             description="Model variants to measure.")
@@ -575,6 +587,9 @@ class BenchmarkSection(Section):
                                "time per output token, decode tokens/s.")
     quality: QualitySection = Res(default_factory=QualitySection, description="Quality on validation text, "
                                   "and the limits a variant must meet.")
+    serving: ServingBenchSection = Res(default_factory=ServingBenchSection, added=True,
+                                       description="A short serving run: throughput and latency against "
+                                       "concurrency.")
     device_id: int = Op(0, ge=0, description="NPU device ais_bench runs the OM models on.")
 
 
@@ -711,9 +726,11 @@ def _result_only(cls: type[Section], data: Any) -> Any:
         if name not in cls.model_fields or role(cls, name) == OPERATIONAL:
             continue
         extra = cls.model_fields[name].json_schema_extra
-        if isinstance(extra, dict) and extra.get(ADDED) and value == cls.model_fields[name].default:
-            continue
         sub = _subsection(cls.model_fields[name].annotation)
+        if isinstance(extra, dict) and extra.get(ADDED):
+            default = cls.model_fields[name].get_default(call_default_factory=True)
+            if value == (default.model_dump() if isinstance(default, BaseModel) else default):
+                continue  # a section added later, at its default, counts as one field
         out[name] = _result_only(sub, value) if sub is not None else value
     return out
 

@@ -93,3 +93,27 @@ def tpot_plot(llm: dict, path: Path) -> Path:
     """Time per output token (ms) against batch size."""
     return _lines(llm["decode"], "batch", "tpot_ms", path, "batch", "time per output token (ms)",
                   "Time per output token, first token excluded (lower is better)")
+
+
+def serving_plot(serving: dict, path: Path) -> Path:
+    """The short serving run: output tokens/s and TTFT p50 / p99 against concurrency."""
+    rows = serving["rows"]
+    fig = Figure(figsize=(9.6, 3.8), dpi=110)
+    FigureCanvasAgg(fig)
+    xs = [r["concurrency"] for r in rows]
+    left, right = fig.add_subplot(1, 2, 1), fig.add_subplot(1, 2, 2)
+    left.plot(xs, [r["output_tokens_per_s"] for r in rows], marker="o")
+    left.set_ylabel("output tokens/s")
+    left.set_title(f"Throughput, {serving['model']} (higher is better)", fontsize=9)
+    for q in ("p50", "p99"):
+        right.plot(xs, [r["ttft_ms"][q] for r in rows], marker="o", label=f"TTFT {q}")
+    right.set_ylabel("time to first token (ms)")
+    right.set_title("Latency (lower is better)", fontsize=9)
+    right.legend(fontsize=8)
+    for ax in (left, right):
+        ax.set_xlabel("concurrent clients")
+        ax.set_xticks(xs)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(str(path), format="png")
+    return Path(path)

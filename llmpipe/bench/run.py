@@ -30,8 +30,9 @@ import torch
 
 from llmpipe import device
 from llmpipe.bench import llm
-from llmpipe.bench.plot import latency_plot
+from llmpipe.bench.plot import latency_plot, serving_plot
 from llmpipe.device import OrtProvider
+from llmpipe.errors import UserError
 from llmpipe.export.onnx import check_external_data, check_shapes, random_ids
 from llmpipe.infer.ort import ProviderUnavailable, Variant, create_session, make_variants, run_logits
 from llmpipe.infer.stats import latency_stats, logit_agreement, speedup, throughput
@@ -305,6 +306,8 @@ def summary(results: dict) -> dict[str, Any]:
         "top1_agreement": {key(r): r["accuracy"]["top1_agreement"] for r in first if r["accuracy"]},
         "errors": sum(1 for r in results["rows"] if r["error"]),
         **_llm_summary(results),
+        **({"serving_tokens_per_s": {str(r["concurrency"]): round(r["output_tokens_per_s"], 2)
+                                     for r in results["serving"]["rows"]}} if results.get("serving") else {}),
     }
 
 
@@ -416,6 +419,42 @@ def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:
     return prompt, ctx.cfg.benchmark.llm.sample_tokens, stops, tpl.end_of_turn
 
 
+SERVING_PLOT, SERVING_LOG = "serving.png", "serving.log"
+
+
+def serving_results(ctx: StageContext, threads: int) -> dict[str, Any]:
+    """benchmark.serving: `llmpipe serve` of this run on a free loopback port, measured at each concurrency
+    (llmpipe.bench.serving) and stopped. The stage's own gates are not published yet, so the server is
+    started with --allow-ungated (its log, serving.log, says so)."""
+    from dataclasses import asdict
+
+    from llmpipe.bench import serving
+
+    s = ctx.cfg.benchmark.serving
+    try:
+        prompts = serving.prompts_from_run(ctx.run_dir, s.requests, s.prompt_tokens, ctx.cfg.run.seed)
+        extra = ["--allow-ungated", "--threads", str(threads)]
+        with serving.LocalServer(ctx.run_dir, s.variant, max(s.concurrency), ctx.work_dir / SERVING_LOG,
+                                 extra) as server:
+            model = serving.first_model(server.url, None)
+            rows = serving.measure(server.url, model, prompts, s.concurrency, s.max_tokens,
+                                   seed=ctx.cfg.run.seed, progress=lambda text: log.info("serving: %s", text))
+    except UserError as err:
+        raise StageError(f"benchmark.serving: {err}") from None
+    return {"model": model, "requests": s.requests, "prompt_tokens": s.prompt_tokens, "max_tokens": s.max_tokens,
+            "rows": [asdict(r) for r in rows]}
+
+
+def serving_markdown(serving: dict | None) -> str:
+    if not serving:
+        return ""
+    from llmpipe.bench.serving import DEFINITIONS, LoadResult, table
+
+    return (f"\n## Serving\n\n`llmpipe serve` ({serving['model']}) under load: {serving['requests']} requests of "
+            f"{serving['prompt_tokens']} prompt tokens, up to {serving['max_tokens']} new tokens each, streamed.\n\n"
+            f"{table([LoadResult(**r) for r in serving['rows']])}\n\n{DEFINITIONS}\n")
+
+
 def run(ctx: StageContext) -> StageResult:
     """The benchmark stage: results.json, results.md, the plots and variants/ in ctx.work_dir."""
     from llmpipe.bench import deploy
@@ -452,18 +491,23 @@ def run(ctx: StageContext) -> StageResult:
         results["quality"] = deploy.quality_results(models, ctx.input_path("prepare_data", "val_bin"),
                                                     ctx.inputs["train"][0], cfg, ctx.cfg.data.seq_len,
                                                     ctx.cfg.run.seed)
+    if cfg.serving.enabled:
+        results["serving"] = serving_results(ctx, threads)
     results["om"] = "om: measured through ais_bench" if models.om else f"om: not measured, {models.om_reason}"
     results["notes"].append(results["om"])
     write_json_atomic(ctx.work_dir / RESULTS_FILE, results)
     (ctx.work_dir / TABLE_FILE).write_text(
         f"# Benchmark: {ctx.cfg.run.name}\n\n## Prefill throughput\n\n{markdown_table(results)}\n"
         f"## Generation\n\n{llm.markdown(results['llm'])}\n## Quality\n\n"
-        f"{deploy.quality_markdown(results['quality'])}", encoding="utf-8")
+        f"{deploy.quality_markdown(results['quality'])}{serving_markdown(results.get('serving'))}", encoding="utf-8")
     latency_plot(results, ctx.work_dir / PLOT_FILE)
     ttft_plot(results["llm"], ctx.work_dir / TTFT_PLOT)
     tpot_plot(results["llm"], ctx.work_dir / TPOT_PLOT)
     outputs = {"results": RESULTS_FILE, "table": TABLE_FILE, "plot": PLOT_FILE, "ttft_plot": TTFT_PLOT,
                "tpot_plot": TPOT_PLOT}
+    if "serving" in results:
+        serving_plot(results["serving"], ctx.work_dir / SERVING_PLOT)
+        outputs.update(serving_plot=SERVING_PLOT, serving_log=SERVING_LOG)
     if any(p.is_file() for p in (ctx.work_dir / VARIANTS_DIR).rglob("*")):
         outputs["variants"] = VARIANTS_DIR
     return StageResult(outputs=outputs, metrics=summary(results))

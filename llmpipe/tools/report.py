@@ -131,7 +131,23 @@ def _bench_section(run_dir: Path) -> str:
         parts.append(_llm_section(results["llm"], folder.name))
     if results.get("quality"):
         parts.append(_quality_section(results["quality"]))
+    if results.get("serving"):
+        parts.append(_serving_section(results["serving"], folder.name))
     return "".join(parts)
+
+
+def _serving_section(serving: dict[str, Any], folder: str) -> str:
+    """benchmark.serving: throughput and latency against concurrency, with the definitions."""
+    from llmpipe.bench.serving import DEFINITIONS
+
+    rows = [{"concurrency": r["concurrency"], "requests": r["requests"], "errors": r["errors"],
+             "requests_per_s": r["requests_per_s"], "output_tokens_per_s": r["output_tokens_per_s"],
+             **{f"ttft_{q}_ms": r["ttft_ms"][q] for q in ("p50", "p90", "p99")},
+             **{f"tpot_{q}_ms": r["tpot_ms"][q] for q in ("p50", "p99")}} for r in serving["rows"]]
+    return (f"<h2>Serving: {html.escape(serving['model'])} under load</h2><p>{serving['requests']} requests of "
+            f"{serving['prompt_tokens']} prompt tokens, up to {serving['max_tokens']} new tokens each, streamed from "
+            f"a real <code>llmpipe serve</code> on a loopback port.</p>{_table(rows)}"
+            f"<img alt='serving' src='{folder}/serving.png'><p>{html.escape(DEFINITIONS)}</p>")
 
 
 _LLM_COLS = {"prefill": ("provider", "variant", "prompt_len", "prefill_ms", "ttft_ms", "ttft_ratio", "error"),

@@ -79,7 +79,8 @@ def server(tmp_path_factory):
         runner = subprocess.Popen([sys.executable, "-m", "flows.serve"], cwd=ROOT, env=env, stdout=serve_log,
                                   stderr=subprocess.STDOUT)
         try:
-            _wait_deployments(env, ["train-to-deploy/on-demand", "train-to-deploy/nightly"], runner, home)
+            _wait_deployments(env, ["train-to-deploy/on-demand", "train-to-deploy/nightly",
+                                    "serve-latest/latest-passing"], runner, home)
             yield env, home
         finally:
             _stop(runner)

@@ -33,7 +33,9 @@ def _write_config(folder: Path) -> Path:
         "benchmark": {"shapes": [[1, 32]], "warmup": 1, "iters": 3, "threads": 1,
                       "llm": {"prompt_lens": [16, 32], "batches": [1, 2], "decode_prompt_len": 16, "new_tokens": 8,
                               "repeats": 1, "sample_tokens": 16},
-                      "quality": {"samples": 4, "continuation_prompts": 2, "continuation_tokens": 8}},
+                      "quality": {"samples": 4, "continuation_prompts": 2, "continuation_tokens": 8},
+                      "serving": {"enabled": True, "concurrency": [1, 2], "requests": 3, "prompt_tokens": 16,
+                                  "max_tokens": 4}},
     }
     path = folder / "flowtest.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -75,7 +77,14 @@ def test_all_six_stages_run(first_run):
     for v in bench["quality"]["variants"].values():
         assert {"ppl", "kl", "top1", "continuation"} <= set(v)
     assert parity["static_decoder"]["identical_tokens"] and parity["static_decoder"]["runs"][0]["new_tokens"] == 64
+    # benchmark.serving: a real `llmpipe serve` of the run, started and stopped by the stage, under load
+    serving = bench["serving"]
+    assert serving["model"] == "flowtest/fp32"
+    assert [(r["concurrency"], r["requests"], r["errors"]) for r in serving["rows"]] == [(1, 3, 0), (2, 3, 0)]
+    assert all(r["output_tokens_per_s"] > 0 and r["ttft_ms"]["p50"] > 0 for r in serving["rows"])
+    assert "Finished server process" in (run_dir / "06_benchmark" / "serving.log").read_text()  # it was stopped
     html = (run_dir / "report.html").read_text()
+    assert "Serving: flowtest/fp32 under load" in html and "serving.png" in html
     assert "loss curve" in html and "Benchmark" in html
     assert "ttft.png" in html and "tpot.png" in html and "Parity chain" in html and "Generated samples" in html
     from llmpipe import config as config_mod

@@ -73,6 +73,32 @@ def check_options(host: str, port: int, max_batch: int, max_queue: int, drain_ti
         raise ConfigError("--host: empty")
 
 
+def latest_passing(artifacts_dir: Path, variant: str) -> Path:
+    """The run under `artifacts_dir` whose benchmark finished last with `variant` through its gates (what a
+    deployment that always serves the newest good model serves); ServeError when none has."""
+    from llmpipe.manifest import Manifest, ManifestError
+    from llmpipe.stages import stage_dir
+
+    root = Path(artifacts_dir)
+    if not root.is_dir():
+        raise ServeError(f"--artifacts-dir {root}: not a folder")
+    best: tuple[str, str, Path] | None = None
+    for run in sorted(root.iterdir()):
+        if run.is_symlink() or not run.is_dir() or run.name.startswith("."):  # a link may lead anywhere
+            continue
+        try:
+            manifest = Manifest.read(stage_dir(run, "benchmark"))
+        except (ManifestError, OSError):
+            continue
+        if manifest is None or gate_problem(run, variant) is not None:
+            continue
+        if best is None or (manifest.finished_at, run.name) > best[:2]:
+            best = (manifest.finished_at, run.name, run)
+    if best is None:
+        raise ServeError(f"--latest-passing: no run under {root} has a completed benchmark that {variant} passed")
+    return best[2]
+
+
 def _slots(loaded, max_batch: int):
     from llmpipe.infer.batching import EngineSlots, SlotBatch
     from llmpipe.infer.decode import StaticEngine, TorchEngine
