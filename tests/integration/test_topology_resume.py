@@ -34,6 +34,9 @@ LAYOUTS = {
 }
 
 
+SAME_STATE = {("ddp2", "fsdp1")}  # state format "dcp-nested" on both sides (llmpipe.checkpoint.state)
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     return cached_runs(tmp_path_factory, "topo", BASE)
@@ -58,7 +61,9 @@ def test_a_checkpoint_resumes_under_another_layout(runs, tmp_path, a, b):
                                                                            "resume": str(switch)}})
     code, text = torchrun(cfg, runs.data, second, nproc=nproc_b)
     assert code == 0, text[-3000:]
-    assert "resharded" in text  # the portable path, not the layout's own reader
+    # the portable path, not the layout's own reader; but DDP and FSDP2 keep the same DCP state (keyed as
+    # torch nests it), and FSDP2's own reader reshards DDP's checkpoint in DCP itself
+    assert ("resharded" in text) == ((a, b) not in SAME_STATE)
     assert json.loads((second / "summary.json").read_text())["resumed_from"] == SWITCH
     torch.testing.assert_close(losses(second), losses(first)[SWITCH:], rtol=0, atol=1e-5)
     got = _weights(ckpt.step_dir(second / "checkpoints", STEPS), tmp_path / "got")
