@@ -4,8 +4,8 @@
     llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
-    llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|om] [--temperature T]
-                     [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
+    llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|int4|int8w|int8s|om]
+                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR] (streams text to stdout)
     llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
     llmpipe serve RUN [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N] [--max-queue N]
                       [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
@@ -31,6 +31,9 @@ from pathlib import Path
 
 from llmpipe import config as config_mod
 from llmpipe.config import STAGES, ConfigError
+
+# generate/serve --variant (llmpipe.tools.generate.VARIANTS, kept here so that --help imports no engine)
+ONNX_VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -103,9 +106,10 @@ def _parser() -> argparse.ArgumentParser:
                       "is printed")
     gen.add_argument("--system", help="with --chat: a system message before the question")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
-                     help="torch: PyTorch eager; fp32/fp16/int8: onnxruntime with the static KV-cache decoder "
-                     "(fp16/int8 come from the benchmark stage); om: ais_bench (CANN). Default fp32")
+    gen.add_argument("--variant", default="fp32", choices=ONNX_VARIANTS,
+                     help="torch: PyTorch eager; fp32/fp16/int8/int4/int8w/int8s: onnxruntime with the static "
+                     "KV-cache decoder (all but fp32 come from the benchmark stage); om: ais_bench (CANN). "
+                     "Default fp32")
     gen.add_argument("--temperature", type=float, default=0.0, help="finite, >= 0; 0 (default): greedy")
     gen.add_argument("--top-k", type=int, help=">= 1")
     gen.add_argument("--top-p", type=float, help="in (0, 1]")
@@ -116,7 +120,7 @@ def _parser() -> argparse.ArgumentParser:
     srv = sub.add_parser("serve", help="an OpenAI-compatible endpoint (FastAPI + uvicorn) over a finished run whose "
                          "benchmark gates passed")
     srv.add_argument("run", help="run name (folder under the artifacts dir) or the path of a run folder")
-    srv.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
+    srv.add_argument("--variant", default="fp32", choices=ONNX_VARIANTS,
                      help="as for generate (default fp32)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")

@@ -36,7 +36,7 @@ def test_tiny_config_loads_and_overrides_apply():
     ("export.opset=19", "export: opset 19 > 18, which ATC cannot read"),
     ("convert_om.precision_mode=force_fp16", "convert_om: set precision_mode or precision_mode_v2, not both"),
     ("train.optim.betas=[0.9, 1.5]", "train.optim.betas: each beta must be in [0, 1)"),
-    ("benchmark.variants=[fp64]", "benchmark.variants.0: Input should be 'fp32', 'fp16' or 'int8'"),
+    ("benchmark.variants=[fp64]", "benchmark.variants.0: Input should be 'fp32', 'fp16', 'int8', 'int4', 'int8w' or 'int8s'"),
     ("train.parallel.data=horovod", "train.parallel.data: Input should be 'ddp', 'zero' or 'fsdp'"),
     ("train.parallel.data=zero", "train.parallel: data=zero needs zero_stage 1, 2 or 3 (got 0)"),
     ("train.parallel.zero_stage=4", "train.parallel.zero_stage: Input should be less than or equal to 3"),
