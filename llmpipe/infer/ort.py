@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -135,16 +136,42 @@ def weight_matmuls(path: Path) -> list[str]:
             and n.input[1] in consts]
 
 
-def quantize_static_int8(src: Path, dst: Path, reader, quant_format: str = "qdq") -> list[Path]:
+def fp32_matmuls(path: Path, keep: Sequence[str]) -> list[str]:
+    """Names of the weight MatMuls of `keep`'s kinds in the graph at `path`: "down" (the feed-forward's
+    down projection: its input is a Mul of another weight MatMul's output, silu(x W1) * x W3), "head"
+    (the output projection: it writes a graph output, the logits)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = set(weight_matmuls(path))
+    producer = {o: n for n in graph.node for o in n.output}
+    weight_outputs = {n.output[0] for n in graph.node if n.name in weights}
+    outputs = {o.name for o in graph.output}
+    out = []
+    for n in graph.node:
+        if n.name not in weights:
+            continue
+        src = producer.get(n.input[0])
+        down = src is not None and src.op_type == "Mul" and any(i in weight_outputs for i in src.input)
+        if ("down" in keep and down) or ("head" in keep and n.output[0] in outputs):
+            out.append(n.name)
+    return out
+
+
+def quantize_static_int8(src: Path, dst: Path, reader, quant_format: str = "qoperator",
+                         keep_fp32: Sequence[str] = ("down", "head")) -> list[Path]:
     """Static INT8 (onnxruntime's quantize_static): int8 weights per output channel and uint8
     activations whose ranges come from running `reader` (a CalibrationDataReader) through the graph
     (min/max). Only the MatMuls with constant weights are quantized: the attention products (two
     activations, one of them softmax probabilities) keep fp32. `quant_format` "qdq" inserts
     QuantizeLinear/DequantizeLinear pairs that onnxruntime fuses into integer kernels; "qoperator"
-    writes the quantized operators directly."""
+    writes the quantized operators directly. `keep_fp32`: kinds of weight MatMuls left in fp32 (see
+    fp32_matmuls): the down projection's input (a product of two projections) has the outlier channels
+    a per-tensor uint8 range cannot hold, and the head's errors go straight into the logits."""
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
-    nodes = weight_matmuls(src)
+    kept = set(fp32_matmuls(src, keep_fp32))
+    nodes = [n for n in weight_matmuls(src) if n not in kept]
     if not nodes:
         raise ValueError(f"{src.name}: no MatMul with a constant weight to quantize")
     extra = {"MatMulConstBOnly": True}
@@ -201,7 +228,8 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
     def static(src, dst):
         if calibration is None or quantize is None:
             raise ValueError("int8s needs calibration data (validation text), none was given")
-        return quantize_static_int8(src, dst, calibration(), quantize.static_format)
+        return quantize_static_int8(src, dst, calibration(), quantize.static_format,
+                                    quantize.static_keep_fp32)
 
     makers = {"fp16": convert_fp16, "int8": quantize_int8, "int4": weight_only("int4"),
               "int8w": weight_only("int8w"), "int8s": static}

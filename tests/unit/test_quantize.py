@@ -68,7 +68,9 @@ def test_weight_only_variants_are_matmulnbits_and_int8s_quantises_only_the_weigh
         # the 7 projections of each of the 2 layers and the output head; the attention products stay MatMul
         assert ops["MatMulNBits"] == 2 * 7 + 1 and ops["MatMul"] == fp32["MatMul"] - 15, (name, ops)
     static = _ops(ctx.work_dir / "variants" / "int8s" / "model.onnx")
-    assert static.get("QuantizeLinear", 0) > 0 and static["MatMul"] == fp32["MatMul"], static
+    # QOperator: wq, wk, wv, wo, w1, w3 of each layer as QLinearMatMul; the down projections (w2), the
+    # head and the attention products stay fp32 MatMul
+    assert static["QLinearMatMul"] == 2 * 6 and static["MatMul"] == fp32["MatMul"] - 12, static
 
 
 def test_the_quantised_variants_are_gated_and_generate_like_the_others(stage):
