@@ -90,6 +90,22 @@ def test_the_quantised_variants_are_gated_and_generate_like_the_others(stage):
     assert set(QUANTISED) <= decoded
     names = [r["name"] for r in q["chain"]]
     assert names[2:] == ["ONNX fp32", "ONNX int4", "ONNX int8w", "ONNX int8s", "OM"]
+    # each is made from the fp32 graph: its step in the chain is from ONNX fp32, not from the row above
+    assert [r["prev"] for r in q["chain"][3:6]] == ["ONNX fp32"] * 3
+    for row in q["chain"][3:6]:
+        assert row["prev_kl"] == pytest.approx(row["kl"], rel=1e-3, abs=1e-9)  # fp32 is torch's logits within 1e-5
+
+
+def test_a_branch_of_the_chain_steps_from_its_source_and_the_main_line_continues():
+    from llmpipe.bench.quality import chain_rows
+
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 8, (2, 5))
+    a, b, c = (rng.normal(size=(2, 5, 8)) for _ in range(3))
+    rows = chain_rows(ids, [("ref", a, None), ("main", b, None), ("side", c, None), ("next", c, None)],
+                      {"side": "ref"})
+    assert [r["prev"] for r in rows] == [None, "ref", "ref", "main"]
+    assert rows[2]["prev_kl"] == pytest.approx(rows[2]["kl"]) and rows[3]["prev_kl"] > 0
 
 
 def test_a_quantised_variant_beyond_its_gate_fails_the_stage_in_one_line(stage):
