@@ -117,9 +117,9 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
                                          is_symmetric=symmetric, accuracy_level=accuracy_level or None,
                                          op_types_to_quantize=("MatMul",))
         quantizer.process()
-        # MatMulNBits weights take bits/32 of the FP32 bytes (plus scales).
-        quantizer.model.save_model_to_file(str(dst), use_external_data_format=_size(src) * bits // 32
-                                           > EXTERNAL_DATA_BYTES)
+        # NOTE: the embedding stays fp32 (MatMul weights only), so the result's size is not bits/32 of
+        # the source's: a source that needed external data writes its variant with external data too.
+        quantizer.model.save_model_to_file(str(dst), use_external_data_format=_size(src) > EXTERNAL_DATA_BYTES)
     finally:
         own.setLevel(level)
         logging.getLogger().removeFilter(quiet)
@@ -184,7 +184,7 @@ def quantize_static_int8(src: Path, dst: Path, reader, quant_format: str = "qope
                         quant_format=QuantFormat.QDQ if quant_format == "qdq" else QuantFormat.QOperator,
                         op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=nodes, per_channel=True,
                         reduce_range=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
-                        calibrate_method=CalibrationMethod.MinMax, use_external_data_format=_size(src) // 4
+                        calibrate_method=CalibrationMethod.MinMax, use_external_data_format=_size(src)
                         > EXTERNAL_DATA_BYTES, extra_options=extra)
     finally:
         logging.getLogger().removeFilter(quiet)

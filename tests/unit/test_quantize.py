@@ -165,3 +165,26 @@ def test_int8s_without_calibration_data_is_a_recorded_failure_not_a_crash(stage,
     made = make_variants(inputs["export_onnx"][0] / "model.onnx", ["int8s"], tmp_path, quantize=QuantizeSection())
     assert made["int8s"].path is None
     assert made["int8s"].error == "ValueError: int8s needs calibration data (validation text), none was given"
+
+
+def test_quantised_variants_of_a_model_with_external_data(tmp_path, monkeypatch):
+    # The path a >1.8 GB model takes, forced on the debug model by a zero threshold.
+    from llmpipe.bench import calibrate
+    from llmpipe.export.onnx import export_prefill
+    from llmpipe.infer import ort as bench_ort
+    from llmpipe.infer.graphs import model_files
+    from llmpipe.models.llama import FLAVORS, Transformer
+
+    model = Transformer(FLAVORS["debug"])
+    model.init_weights(seed=0)
+    export_prefill(model, tmp_path / "model.onnx", opset=17, external_data_bytes=0)
+    monkeypatch.setattr(bench_ort, "EXTERNAL_DATA_BYTES", 0)
+    ids = np.random.default_rng(0).integers(1, model.args.vocab_size, (4, 8))
+    made = bench_ort.make_variants(tmp_path / "model.onnx", QUANTISED, tmp_path / "variants",
+                                   quantize=QuantizeSection(), calibration=lambda: calibrate.prefill_reader(ids))
+    ref = _logits(tmp_path / "model.onnx", ids)
+    for name in QUANTISED:
+        assert made[name].error is None, made[name].error
+        files = model_files(made[name].path)
+        assert len(files) > 1 and all(f.parent == made[name].path.parent for f in files), files
+        assert float(np.abs(_logits(made[name].path, ids) - ref).max()) < TOLERANCE[name]
