@@ -4,8 +4,8 @@
     llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
-    llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|om] [--temperature T]
-                     [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
+    llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|int4|int8w|int8s|om]
+                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR] (streams text to stdout)
     llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
     llmpipe serve RUN|--latest-passing [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N]
                       [--max-queue N] [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
@@ -33,6 +33,9 @@ from pathlib import Path
 
 from llmpipe import config as config_mod
 from llmpipe.config import STAGES, ConfigError
+
+# generate/serve --variant (llmpipe.tools.generate.VARIANTS, kept here so that --help imports no engine)
+ONNX_VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -105,9 +108,10 @@ def _parser() -> argparse.ArgumentParser:
                       "is printed")
     gen.add_argument("--system", help="with --chat: a system message before the question")
     gen.add_argument("--max-new-tokens", type=int, default=64)
-    gen.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
-                     help="torch: PyTorch eager; fp32/fp16/int8: onnxruntime with the static KV-cache decoder "
-                     "(fp16/int8 come from the benchmark stage); om: ais_bench (CANN). Default fp32")
+    gen.add_argument("--variant", default="fp32", choices=ONNX_VARIANTS,
+                     help="torch: PyTorch eager; fp32/fp16/int8/int4/int8w/int8s: onnxruntime with the static "
+                     "KV-cache decoder (all but fp32 come from the benchmark stage); om: ais_bench (CANN). "
+                     "Default fp32")
     gen.add_argument("--temperature", type=float, default=0.0, help="finite, >= 0; 0 (default): greedy")
     gen.add_argument("--top-k", type=int, help=">= 1")
     gen.add_argument("--top-p", type=float, help="in (0, 1]")
@@ -120,7 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     srv.add_argument("run", nargs="?", help="run name (folder under the artifacts dir) or the path of a run folder")
     srv.add_argument("--latest-passing", action="store_true", help="instead of RUN: the run under --artifacts-dir "
                      "whose benchmark finished last with --variant through its gates")
-    srv.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
+    srv.add_argument("--variant", default="fp32", choices=ONNX_VARIANTS,
                      help="as for generate (default fp32)")
     srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free port)")
@@ -141,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
     bsrv.add_argument("run", help="run name or folder: its validation text gives the prompts (and, without --url, "
                       "its model the server)")
     bsrv.add_argument("--url", help="measure this OpenAI-compatible server instead (e.g. http://127.0.0.1:8000)")
-    bsrv.add_argument("--variant", default="fp32", choices=("torch", "fp32", "fp16", "int8", "om"),
+    bsrv.add_argument("--variant", default="fp32", choices=ONNX_VARIANTS,
                       help="the variant the local server serves (default fp32)")
     bsrv.add_argument("--concurrency", default="1,4,8,16", help="comma-separated levels (default 1,4,8,16)")
     bsrv.add_argument("--rate", type=float, help="requests/s of seeded Poisson arrivals (default: each client sends "

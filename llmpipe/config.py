@@ -535,6 +535,12 @@ def _gate(name: str, ppl: float, top1: float) -> Any:
 # ATC's own kernels, so it gets a little more room than ORT fp16.
 Fp32Gate, Fp16Gate, Int8Gate, OmGate = (_gate("fp32", 0.001, 0.995), _gate("fp16", 0.01, 0.98),
                                         _gate("int8", 0.05, 0.90), _gate("om", 0.02, 0.95))
+# The quantised variants of benchmark.quantize, measured the same way (benchmarks/quantize.py): int4
+# (MatMulNBits, blocks of 32, int8 activations in the kernel) +0.9% / 0.946, int8w (8-bit blocks of 32)
+# +0.03% / 0.996, int8s (static, calibrated on 32 windows, down projections and head in fp32) -0.01% /
+# 0.994 (with every weight MatMul quantized it was +0.24% / 0.935, KL 50x). Limits ~10x the increase
+# (at least 2%), top-1 floors several points below.
+Int4Gate, Int8wGate, Int8sGate = _gate("int4", 0.10, 0.85), _gate("int8w", 0.02, 0.97), _gate("int8s", 0.02, 0.97)
 
 
 class QualitySection(Section):
@@ -547,7 +553,70 @@ class QualitySection(Section):
     fp32: Fp32Gate = Res(default_factory=Fp32Gate, description="Limits for ORT fp32.")
     fp16: Fp16Gate = Res(default_factory=Fp16Gate, description="Limits for ORT fp16.")
     int8: Int8Gate = Res(default_factory=Int8Gate, description="Limits for ORT int8.")
+    int4: Int4Gate = Res(default_factory=Int4Gate, added=True,
+                         description="Limits for ORT int4 (weight-only MatMulNBits).")
+    int8w: Int8wGate = Res(default_factory=Int8wGate, added=True,
+                           description="Limits for ORT int8w (weight-only MatMulNBits).")
+    int8s: Int8sGate = Res(default_factory=Int8sGate, added=True,
+                           description="Limits for ORT int8s (static, calibrated).")
     om: OmGate = Res(default_factory=OmGate, description="Limits for the OM model (ais_bench).")
+
+
+class WeightOnlySection(Section):
+    """onnxruntime's MatMulNBits weight-only quantization of one variant (int4, int8w): each MatMul weight
+    in blocks of block_size input rows, one scale (and zero point) per block."""
+
+    bits: int = Res(4, description="Bits per weight: 2, 4 or 8 (the widths MatMulNBits packs).")
+    block_size: int = Res(32, description="Input rows per scale: a power of two, 16 or more.")
+    accuracy_level: int = Res(4, ge=0, le=4, description="MatMulNBits compute type of the activations: 0 "
+                              "unset (the kernel's choice), 1 fp32, 2 fp16, 3 bf16, 4 int8 (the fastest on CPU).")
+    symmetric: bool = Res(False, description="Symmetric scales (no zero points).")
+
+    @field_validator("bits")
+    @classmethod
+    def _bits(cls, v: int) -> int:
+        if v not in (2, 4, 8):
+            raise ValueError(f"{v} bits is not a width onnxruntime's MatMulNBits packs (2, 4 or 8)")
+        return v
+
+    @field_validator("block_size")
+    @classmethod
+    def _block(cls, v: int) -> int:
+        if v < 16 or v & (v - 1):
+            raise ValueError(f"{v} is not a block size MatMulNBits takes (a power of two, 16 or more)")
+        return v
+
+
+def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int) -> Any:
+    """A WeightOnlySection subclass with this variant's defaults (as _gate does for the limits)."""
+    return type(f"{name.capitalize()}Quant", (WeightOnlySection,), {
+        "__annotations__": {"bits": "int", "block_size": "int", "accuracy_level": "int"},
+        "bits": Res(bits, description=f"Bits per weight of {name}: 2, 4 or 8 (the widths MatMulNBits packs)."),
+        "block_size": Res(block_size, description=f"Input rows per scale of {name}: a power of two, 16 or more."),
+        "accuracy_level": Res(accuracy_level, ge=0, le=4, description=f"MatMulNBits compute type of {name}'s "
+                              "activations: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 (the fastest on CPU)."),
+        "__module__": __name__,
+    })
+
+
+# Defaults from measurement (benchmarks/quantize.py; see the README's "Quantised variants").
+Int4Quant, Int8wQuant = _weight_only("int4", 4, 32, 4), _weight_only("int8w", 8, 32, 4)
+
+
+class QuantizeSection(Section):
+    int4: Int4Quant = Res(default_factory=Int4Quant, description="Weight-only int4 (MatMulNBits).")
+    int8w: Int8wQuant = Res(default_factory=Int8wQuant, description="Weight-only int8 (MatMulNBits).")
+    calibration_samples: int = Res(32, ge=1, description="int8s: validation windows (a seeded sample) its "
+                                   "activation ranges are calibrated on; at most the validation shard holds.")
+    calibration_seq_len: int | None = Res(None, ge=2, description="int8s: tokens per calibration window; "
+                                          "null: benchmark.quality.seq_len, else data.seq_len.")
+    calibration_decode_steps: int = Res(8, ge=1, description="int8s: decoder steps recorded per calibration "
+                                        "window (the static decoder is calibrated on what it is fed).")
+    static_format: Literal["qdq", "qoperator"] = Res("qoperator", description="int8s: quantized operators "
+                                                     "(qoperator) or QuantizeLinear/DequantizeLinear pairs (qdq).")
+    static_keep_fp32: list[Literal["down", "head"]] = Res(["down", "head"], description="int8s: weight MatMuls "
+                                                          "left in fp32: the feed-forward's down projection (its "
+                                                          "input has outlier channels), the output head.")
 
 
 class LlmBenchSection(Section):
@@ -574,8 +643,11 @@ class ServingBenchSection(Section):
 
 
 class BenchmarkSection(Section):
-    variants: list[Literal["fp32", "fp16", "int8"]] = Res(["fp32", "fp16", "int8"], min_length=1,
-                                                            description="Model variants to measure.")
+    variants: list[Literal["fp32", "fp16", "int8", "int4", "int8w", "int8s"]] = Res(
+        ["fp32", "fp16", "int8"], min_length=1, description="Model variants to measure: fp16, int8 (dynamic), "
+        "int4 / int8w (weight-only MatMulNBits), int8s (static, calibrated); fp32 is always the reference.")
+    quantize: QuantizeSection = Res(default_factory=QuantizeSection, added=True,
+                                    description="Settings of the quantised variants int4, int8w and int8s.")
     providers: Literal["auto"] | list[str] = Res("auto", description="ORT providers; auto: every one "
                                                    "present among CPU, CUDA, CANN.")
     shapes: list[tuple[int, int]] = Res([(1, 128), (4, 128)], min_length=1, description="(batch, seq).")

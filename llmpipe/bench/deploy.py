@@ -28,6 +28,7 @@ from llmpipe.stages import StageError
 log = logging.getLogger("llmpipe.bench")
 
 OM = "om"
+BRANCHES = ("int4", "int8w", "int8s")  # variants off the chain's main line (checkpoint -> fp32 -> fp16 -> int8 -> OM)
 
 
 @dataclass
@@ -212,7 +213,9 @@ def quality_results(m: Models, val_bin: Path, train_dir: Path, cfg: BenchmarkSec
         per_variant[v.variant]["verdict"] = "accepted" if v.passed else "rejected"
         if not v.passed:
             per_variant[v.variant]["rejected_because"] = v.message()
-    rows = quality.chain_rows(ids, hops)
+    # NOTE: the quantised variants are each made from the fp32 graph: their step is from ONNX fp32, not
+    # from the variant listed before them.
+    rows = quality.chain_rows(ids, hops, {f"ONNX {n}": "ONNX fp32" for n in BRANCHES})
     return {"samples": int(len(ids)), "seq_len": int(T), "variants": per_variant, "rejected": rejected,
             "chain": rows, "chain_markdown": quality.chain_markdown(rows)}
 

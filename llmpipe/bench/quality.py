@@ -176,22 +176,30 @@ def _pair(ids: np.ndarray, ref: np.ndarray, cand: np.ndarray) -> dict[str, float
     return {"max_abs_diff": m["max_abs_diff"], "kl": m["kl"], "top1": m["top1"]}
 
 
-def chain_rows(ids: np.ndarray, hops: Sequence[tuple[str, np.ndarray | None, str | None]]) -> list[dict]:
+def chain_rows(ids: np.ndarray, hops: Sequence[tuple[str, np.ndarray | None, str | None]],
+               branches: dict[str, str] | None = None) -> list[dict]:
     """One row per hop (name, logits or None, why not measured), in order. A measured row has its
     perplexity, max_abs_diff/kl/top1 against the first measured hop (the reference) and
     prev/prev_max_abs_diff/prev_kl against the previous measured one; the row with the largest
-    prev_kl (a non-finite one counts as largest) has "moved": True, every other False."""
-    rows, ref, prev = [], None, None
+    prev_kl (a non-finite one counts as largest) has "moved": True, every other False.
+
+    `branches`: hop name -> the hop it branches from (a variant made from that graph, e.g. int4 from
+    ONNX fp32): its prev is that hop, and the hops after it continue from the main line."""
+    rows, ref, prev, seen = [], None, None, {}
+    branches = branches or {}
     for name, logits, reason in hops:
         row = {"name": name, "reason": reason, "ppl": None, "max_abs_diff": None, "kl": None, "top1": None,
                "prev": None, "prev_max_abs_diff": None, "prev_kl": None, "moved": False}
         if logits is not None:
             ref = logits if ref is None else ref
             row.update(ppl=perplexity(ids, logits), reason=None, **_pair(ids, ref, logits))
-            if prev is not None:
-                step = _pair(ids, prev[1], logits)
-                row.update(prev=prev[0], prev_max_abs_diff=step["max_abs_diff"], prev_kl=step["kl"])
-            prev = (name, logits)
+            base = (branches[name], seen[branches[name]]) if branches.get(name) in seen else prev
+            if base is not None:
+                step = _pair(ids, base[1], logits)
+                row.update(prev=base[0], prev_max_abs_diff=step["max_abs_diff"], prev_kl=step["kl"])
+            seen[name] = logits
+            if name not in branches:
+                prev = (name, logits)
         rows.append(row)
     steps = [r for r in rows if r["prev_kl"] is not None]
     if steps:

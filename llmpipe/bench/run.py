@@ -45,7 +45,7 @@ log = logging.getLogger("llmpipe.bench")
 RESULTS_FILE, TABLE_FILE, PLOT_FILE, VARIANTS_DIR = "results.json", "results.md", "latency.png", "variants"
 TTFT_PLOT, TPOT_PLOT = "ttft.png", "tpot.png"
 TORCH = "torch"  # the variant name of the PyTorch eager fp32 baseline rows
-ORDER = (TORCH, "fp32", "fp16", "int8")
+ORDER = (TORCH, "fp32", "fp16", "int8", "int8w", "int8s", "int4")
 
 Shape = tuple[int, int]
 
@@ -203,6 +203,12 @@ def notes(providers: Sequence[OrtProvider], variants: Sequence[str], threads: in
     if "int8" in variants:
         out.append("int8: dynamic quantization (QInt8 MatMul/Gemm weights, 7-bit reduce_range; activations "
                    "quantized per call); its gain grows with model size, on tiny models overhead can win.")
+    if "int4" in variants or "int8w" in variants:
+        out.append("int4 / int8w: weight-only MatMulNBits (onnxruntime contrib op, block-wise scales; settings in "
+                   "benchmark.quantize): onnxruntime only, the portable graphs ATC reads are unchanged.")
+    if "int8s" in variants:
+        out.append("int8s: static quantization (int8 weights per channel, uint8 activations with ranges calibrated "
+                   "on validation text; benchmark.quantize): its gain needs integer kernels, tiny models can lose.")
     if "fp32" not in variants:
         out.append("fp32 is not in benchmark.variants: it ran untimed, as the accuracy reference.")
     if not torch_baseline:
@@ -380,8 +386,23 @@ def om_models(ctx: StageContext) -> tuple[Any, str | None]:
                     section.decode_batch, ctx.cfg.benchmark.device_id), None
 
 
-def _models(ctx: StageContext, args, torch_model, variants, threads: int):
+def calibration_windows(ctx: StageContext, max_seq_len: int) -> np.ndarray | None:
+    """int8s's calibration windows of validation text (None when int8s is not requested); a sample
+    larger than the validation shard holds is a StageError naming the field, before any variant is made."""
+    from llmpipe.bench import calibrate
+
+    cfg = ctx.cfg.benchmark
+    if "int8s" not in cfg.variants:
+        return None
+    q = cfg.quantize
+    T = min(q.calibration_seq_len or cfg.quality.seq_len or ctx.cfg.data.seq_len, max_seq_len)
+    # NOTE: seed + 1: not the quality sample's own draw (it may still share windows with a small shard).
+    return calibrate.windows(ctx.input_path("prepare_data", "val_bin"), q.calibration_samples, T, ctx.cfg.run.seed + 1)
+
+
+def _models(ctx: StageContext, args, torch_model, variants, threads: int, calib: np.ndarray | None = None):
     """What the generation benchmark and the quality measurement run (llmpipe.bench.deploy.Models)."""
+    from llmpipe.bench import calibrate
     from llmpipe.bench.deploy import Models
     from llmpipe.infer.graphs import STATIC_FILE
 
@@ -391,7 +412,12 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int):
     if "decoder_static" in export.outputs:
         path = ctx.input_path("export_onnx", "decoder_static")
         check_external_data(path)
-        static = make_variants(path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, filename=STATIC_FILE)
+        reader = None if calib is None else partial(
+            calibrate.decoder_reader, ctx.input_path("export_onnx", "model"), path, args,
+            export.metrics.get("static_decoder_cache_len"), calib, cfg.quantize.calibration_decode_steps,
+            device.ort_providers(["cpu"])[0], threads)
+        static = make_variants(path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, filename=STATIC_FILE,
+                               quantize=cfg.quantize, calibration=reader)
     om, om_reason = om_models(ctx)
     return Models(args, torch_model, variants, static, export.metrics.get("static_decoder_cache_len"), threads,
                   om, om_reason, list(cfg.variants))
@@ -457,7 +483,7 @@ def serving_markdown(serving: dict | None) -> str:
 
 def run(ctx: StageContext) -> StageResult:
     """The benchmark stage: results.json, results.md, the plots and variants/ in ctx.work_dir."""
-    from llmpipe.bench import deploy
+    from llmpipe.bench import calibrate, deploy
     from llmpipe.bench.plot import tpot_plot, ttft_plot
     from llmpipe.data.tokenizer import load_tokenizer
     from llmpipe.models.llama.io import TOKENIZER
@@ -472,15 +498,17 @@ def run(ctx: StageContext) -> StageResult:
         raise StageError(str(err)) from None
     check_shapes(cfg.shapes, args.max_seq_len, "benchmark.shapes")
     check_external_data(onnx_path)  # before onnxruntime or a converter opens what it points at
-    variants = make_variants(onnx_path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR)
-    torch_model = load_model(model_dir, dtype=torch.float32)
+    calib = calibration_windows(ctx, args.max_seq_len)
     threads = cfg.threads or os.cpu_count() or 1
+    variants = make_variants(onnx_path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, quantize=cfg.quantize,
+                             calibration=None if calib is None else partial(calibrate.prefill_reader, calib))
+    torch_model = load_model(model_dir, dtype=torch.float32)
     results = benchmark(variants, providers, cfg.shapes, requested=list(cfg.variants),
                         vocab_size=args.vocab_size, warmup=cfg.warmup, iters=cfg.iters, threads=threads,
                         seed=ctx.cfg.run.seed, torch_model=torch_model if cfg.torch_baseline else None,
                         root=ctx.work_dir)
     check_measured(results, list(cfg.variants), auto_providers=cfg.providers == "auto")
-    models = _models(ctx, args, torch_model, variants, threads)
+    models = _models(ctx, args, torch_model, variants, threads, calib)
     tokenizer = load_tokenizer(model_dir / TOKENIZER)
     with torch_threads(threads):
         results["llm"] = deploy.llm_results(models, providers, cfg, tokenizer, ctx.cfg.run.seed,

@@ -1,4 +1,14 @@
-"""onnxruntime side of the benchmark: FP16 / INT8 variants of the FP32 graph, and sessions.
+"""onnxruntime side of the benchmark: FP16 / INT8 / INT4 variants of the FP32 graph, and sessions.
+
+    fp16   float16 weights and compute (onnxruntime.transformers.float16)
+    int8   dynamic quantization: int8 MatMul weights, activations quantized per call
+    int4   weight-only MatMulNBits (onnxruntime's MatMulNBitsQuantizer): 4-bit blocks, one scale each
+    int8w  the same with 8-bit blocks
+    int8s  static quantization (quantize_static): int8 weights and activations, the activations'
+           ranges calibrated on validation text (a CalibrationDataReader the caller gives)
+
+These graphs are for onnxruntime only (MatMulNBits is a contrib op); the portable graphs ATC reads
+are never changed.
 
 Provider names come from `llmpipe.device.ort_providers` only; this module never spells one.
 """
@@ -8,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +30,7 @@ from llmpipe.infer.graphs import EXTERNAL_DATA_BYTES, MODEL_FILE, model_files, s
 
 log = logging.getLogger("llmpipe.bench")
 
-VARIANTS = ("fp32", "fp16", "int8")
+VARIANTS = ("fp32", "fp16", "int8", "int4", "int8w", "int8s")
 
 
 class ProviderUnavailable(RuntimeError):
@@ -30,7 +41,7 @@ class ProviderUnavailable(RuntimeError):
 class Variant:
     """One model variant on disk, or the reason it could not be made."""
 
-    name: str  # fp32 | fp16 | int8
+    name: str  # one of VARIANTS
     path: Path | None
     error: str | None = None
 
@@ -83,10 +94,145 @@ def quantize_int8(src: Path, dst: Path) -> list[Path]:
     return model_files(dst)
 
 
-def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: str = MODEL_FILE) -> dict[str, Variant]:
+def _size(src: Path) -> int:
+    return sum(f.stat().st_size for f in model_files(src))
+
+
+def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int,
+                         symmetric: bool = False) -> list[Path]:
+    """Weight-only quantization with onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant
+    weight becomes MatMulNBits (`bits`-bit weights in blocks of `block_size` input rows, one fp32 scale
+    and zero point per block); activations stay fp32 unless `accuracy_level` 4 (int8 activations inside
+    the kernel, its fastest CPU path). The attention products (no constant weight) are left as they are."""
+    import onnx
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # NOTE: the quantizer's module logger has a handler of its own and logs a line per node at INFO.
+    own = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
+    level, quiet = own.level, _QuietQuantizer()
+    own.setLevel(logging.ERROR)
+    logging.getLogger().addFilter(quiet)
+    try:
+        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size,
+                                         is_symmetric=symmetric, accuracy_level=accuracy_level or None,
+                                         op_types_to_quantize=("MatMul",))
+        quantizer.process()
+        # NOTE: the embedding stays fp32 (MatMul weights only), so the result's size is not bits/32 of
+        # the source's: a source that needed external data writes its variant with external data too.
+        quantizer.model.save_model_to_file(str(dst), use_external_data_format=_size(src) > EXTERNAL_DATA_BYTES)
+    finally:
+        own.setLevel(level)
+        logging.getLogger().removeFilter(quiet)
+    return model_files(dst)
+
+
+def weight_matmuls(path: Path) -> list[str]:
+    """Names of the MatMul/Gemm nodes of the graph at `path` whose second input is a constant weight."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    consts = {t.name for t in graph.initializer} | {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    return [n.name for n in graph.node if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1
+            and n.input[1] in consts]
+
+
+def fp32_matmuls(path: Path, keep: Sequence[str]) -> list[str]:
+    """Names of the weight MatMuls of `keep`'s kinds in the graph at `path`: "down" (the feed-forward's
+    down projection: its input is a Mul of another weight MatMul's output, silu(x W1) * x W3), "head"
+    (the output projection: it writes a graph output, the logits)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = set(weight_matmuls(path))
+    producer = {o: n for n in graph.node for o in n.output}
+    weight_outputs = {n.output[0] for n in graph.node if n.name in weights}
+    outputs = {o.name for o in graph.output}
+    out = []
+    for n in graph.node:
+        if n.name not in weights:
+            continue
+        src = producer.get(n.input[0])
+        down = src is not None and src.op_type == "Mul" and any(i in weight_outputs for i in src.input)
+        if ("down" in keep and down) or ("head" in keep and n.output[0] in outputs):
+            out.append(n.name)
+    return out
+
+
+def quantize_static_int8(src: Path, dst: Path, reader, quant_format: str = "qoperator",
+                         keep_fp32: Sequence[str] = ("down", "head")) -> list[Path]:
+    """Static INT8 (onnxruntime's quantize_static): int8 weights per output channel and uint8
+    activations whose ranges come from running `reader` (a CalibrationDataReader) through the graph
+    (min/max). Only the MatMuls with constant weights are quantized: the attention products (two
+    activations, one of them softmax probabilities) keep fp32. `quant_format` "qdq" inserts
+    QuantizeLinear/DequantizeLinear pairs that onnxruntime fuses into integer kernels; "qoperator"
+    writes the quantized operators directly. `keep_fp32`: kinds of weight MatMuls left in fp32 (see
+    fp32_matmuls): the down projection's input (a product of two projections) has the outlier channels
+    a per-tensor uint8 range cannot hold, and the head's errors go straight into the logits."""
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    kept = set(fp32_matmuls(src, keep_fp32))
+    nodes = [n for n in weight_matmuls(src) if n not in kept]
+    if not nodes:
+        raise ValueError(f"{src.name}: no MatMul with a constant weight to quantize")
+    extra = {"MatMulConstBOnly": True}
+    quiet = _QuietQuantizer()
+    logging.getLogger().addFilter(quiet)
+    try:
+        # NOTE: reduce_range (7-bit weights), as for dynamic int8: without VNNI the u8 x s8 products
+        # saturate 16-bit sums. Per-channel weight scales keep the accuracy of the 7 bits.
+        quantize_static(str(src), str(dst), reader,
+                        quant_format=QuantFormat.QDQ if quant_format == "qdq" else QuantFormat.QOperator,
+                        op_types_to_quantize=["MatMul", "Gemm"], nodes_to_quantize=nodes, per_channel=True,
+                        reduce_range=True, activation_type=QuantType.QUInt8, weight_type=QuantType.QInt8,
+                        calibrate_method=CalibrationMethod.MinMax, use_external_data_format=_size(src)
+                        > EXTERNAL_DATA_BYTES, extra_options=extra)
+    finally:
+        logging.getLogger().removeFilter(quiet)
+    return model_files(dst)
+
+
+class FeedsReader:
+    """A CalibrationDataReader over a list of feed dicts (input name -> array), read once in order."""
+
+    def __init__(self, feeds: list[dict[str, np.ndarray]]):
+        self._feeds = list(feeds)
+        self._next = 0
+
+    def get_next(self) -> dict[str, np.ndarray] | None:
+        if self._next >= len(self._feeds):
+            return None
+        self._next += 1
+        return self._feeds[self._next - 1]
+
+    def rewind(self) -> None:
+        self._next = 0
+
+
+def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: str = MODEL_FILE,
+                  quantize=None, calibration=None) -> dict[str, Variant]:
     """The FP32 graph plus each requested variant under out_dir/<name>/<filename>. FP32 is always
-    included (it is the accuracy reference). A failed conversion is recorded, not raised."""
-    makers = {"fp16": convert_fp16, "int8": quantize_int8}
+    included (it is the accuracy reference). A failed conversion is recorded, not raised.
+
+    `quantize`: benchmark.quantize (llmpipe.config.QuantizeSection: the int4 / int8w / int8s settings).
+    `calibration`: for int8s, a callable returning the CalibrationDataReader of this graph."""
+
+    def weight_only(variant):
+        def make(src, dst):
+            if quantize is None:
+                raise ValueError(f"{variant} needs the benchmark.quantize settings, none were given")
+            section = getattr(quantize, variant)
+            return quantize_weight_only(src, dst, section.bits, section.block_size, section.accuracy_level,
+                                        section.symmetric)
+        return make
+
+    def static(src, dst):
+        if calibration is None or quantize is None:
+            raise ValueError("int8s needs calibration data (validation text), none was given")
+        return quantize_static_int8(src, dst, calibration(), quantize.static_format,
+                                    quantize.static_keep_fp32)
+
+    makers = {"fp16": convert_fp16, "int8": quantize_int8, "int4": weight_only("int4"),
+              "int8w": weight_only("int8w"), "int8s": static}
     variants = {"fp32": Variant("fp32", Path(fp32_path))}
     for name in names:
         if name == "fp32":

@@ -7,6 +7,8 @@ The run's tokenizer (consolidate's tokenizer.json) and one model variant:
     fp32    export_onnx's model.onnx + decoder_static.onnx in onnxruntime
     fp16    the benchmark stage's FP16 variants of both graphs (benchmark/variants/fp16/)
     int8    the benchmark stage's dynamic-INT8 variants (benchmark/variants/int8/)
+    int4 / int8w / int8s  the benchmark stage's weight-only int4 / int8 (MatMulNBits) and static
+            calibrated int8 variants (benchmark/variants/<name>/; benchmark.quantize)
     om      convert_om's model.om + decoder.om through ais_bench (where CANN and an NPU exist)
 
 Every file read is first checked against its stage's manifest (size and sha256), and every graph
@@ -39,7 +41,7 @@ import numpy as np
 from llmpipe.config import ConfigError
 from llmpipe.errors import UserError
 
-VARIANTS = ("torch", "fp32", "fp16", "int8", "om")
+VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
 MAX_THREADS = 1024  # --threads: above any machine's cores; bounds the threads a typo makes onnxruntime start
 
 

@@ -79,7 +79,10 @@ CONFIG_CASES = [
     ("convert_om.precision_mode", "allow_fp32_to_fp16", "convert_om: set precision_mode or precision_mode_v2"),
     ("convert_om.log", "verbose", "convert_om.log: Input should be"),
     ("benchmark.iters", 0, "benchmark.iters: Input should be greater than or equal to 1"),
-    ("benchmark.variants", ["int4"], "benchmark.variants.0: Input should be 'fp32', 'fp16' or 'int8'"),
+    ("benchmark.variants", ["int3"], "benchmark.variants.0: Input should be 'fp32', 'fp16', 'int8', 'int4', 'int8w' "
+                                     "or 'int8s'"),
+    ("benchmark.quantize.int4.block_size", 48, "benchmark.quantize.int4.block_size: 48 is not a block size "
+                                               "MatMulNBits takes (a power of two, 16 or more)"),
     ("benchmark.shapes", "1x128", "benchmark.shapes: Input should be a valid list"),
     ("extra_section", {"a": 1}, "extra_section: unknown key"),
 ]
