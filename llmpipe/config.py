@@ -634,7 +634,8 @@ class ServingBenchSection(Section):
     enabled: bool = Res(False, description="Measure `llmpipe serve` under load at the end of the stage: a server "
                         "of the run started on a free loopback port and stopped (llmpipe.bench.serving; `llmpipe "
                         "bench serve` measures at length).")
-    variant: Literal["fp32", "fp16", "int8"] = Res("fp32", description="The variant the server serves.")
+    variant: Literal["fp32", "fp16", "int8", "int4", "int8w", "int8s"] = Res("fp32", description="The variant the "
+                                                                          "server serves.")
     concurrency: list[Annotated[int, Field(ge=1, le=64)]] = Res([1, 4], min_length=1, description="Concurrent "
                                                                 "clients, one measurement each.")
     requests: int = Res(8, ge=1, le=1000, description="Prompts of the validation text sent per measurement.")
