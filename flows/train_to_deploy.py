@@ -65,10 +65,13 @@ def _link_tracking(cfg, completed: bool) -> None:
         return
     url, text = found
     key = "mlflow-" + _artifact_key(cfg.run.name).removeprefix("report-")
-    if url:
-        create_link_artifact(url, link_text=f"MLflow run of {cfg.run.name}", key=key, description=text)
-    else:
-        create_markdown_artifact(text, key=key, description=f"MLflow run of {cfg.run.name}")
+    try:
+        if url:
+            create_link_artifact(url, link_text=f"MLflow run of {cfg.run.name}", key=key, description=text)
+        else:
+            create_markdown_artifact(text, key=key, description=f"MLflow run of {cfg.run.name}")
+    except Exception as err:  # noqa: BLE001  in a finally: never hide the stage's own error
+        get_run_logger().warning("tracking: the flow run's MLflow artifact was not created: %s", err)
 
 
 def _artifact_key(run_name: str) -> str:

@@ -52,6 +52,9 @@ def client(uri: str, timeout_s: float = 10.0, retries: int = 1) -> Any:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(int(max(1, timeout_s))))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", str(retries))
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
+    # MLflow prints "View run ... at: URL" to stdout whenever a run against a server ends; the flow run's
+    # artifact links it already, and stdout is the command's own
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
     from mlflow import MlflowClient
 
     return MlflowClient(tracking_uri=uri, registry_uri=uri)
@@ -75,7 +78,7 @@ def short(err: BaseException) -> str:
 def quiet():
     """urllib3 logs each retry of a lost connection and alembic each migration step of a new SQLite store;
     a tracking failure is one line, and a first sync prints nothing."""
-    names = ("urllib3.connectionpool", "alembic", "mlflow.store.db.utils")
+    names = ("urllib3.connectionpool", "alembic", "mlflow.store.db.utils", "mlflow.store.model_registry.abstract_store")
     loggers = [logging.getLogger(n) for n in names]
     levels = [lg.level for lg in loggers]
     for lg in loggers:

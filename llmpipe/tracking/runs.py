@@ -51,7 +51,7 @@ def _rows(uri: str, experiment: str | None, timeout_s: float) -> list[dict[str, 
                     "val_loss": _fmt(m.get("val_loss", m.get("train.val_loss")), ".4f"),
                     "tokens/s": _fmt(m.get("train.tokens_per_s"), ",.0f"),
                     "gates": tags.get("llmpipe.gates", "-"), "model": version or "-",
-                    "aliases": ",".join(aliases.get(version, [])) or "-"})
+                    "aliases": ",".join(sorted(aliases.get(version, []))) or "-"})
     return out
 
 
