@@ -183,18 +183,15 @@ class _Curve:
 
         out = []
         now = int(time.time() * 1000)
-        for rec in records:
+        for rec in sorted(records, key=lambda r: r["step"]):
             for k, v in rec.items():
-                value = as_number(v)
-                if k in ("step", "time") or value is None or rec["step"] <= self.high(key(k)):
+                value, name = as_number(v), key(k)
+                if k in ("step", "time") or value is None or rec["step"] <= self.high(name):
                     continue
-                out.append(Metric(key(k), value if math.isfinite(value) else float("nan"), now, rec["step"]))
-        by_key: dict[str, int] = {}
-        for i in range(0, len(out), BATCH):
+                out.append(Metric(name, value if math.isfinite(value) else float("nan"), now, rec["step"]))
+                self.top[name] = rec["step"]  # a step repeated in the file is logged once
+        for i in range(0, len(out), BATCH):  # on a failure the object is dropped: the next sync asks the store
             self.c.log_batch(self.run_id, metrics=out[i:i + BATCH])
-            for mt in out[i:i + BATCH]:
-                by_key[mt.key] = max(by_key.get(mt.key, -1), mt.step)
-            self.top.update({k: max(self.top.get(k, -1), s) for k, s in by_key.items()})
         return len(out)
 
 

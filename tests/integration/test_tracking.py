@@ -212,6 +212,13 @@ def test_a_server_that_stops_answering_costs_one_warning_and_the_registry_promot
     assert cli.main(["generate", str(run_dir), *prompt]) == 0
     assert capsys.readouterr().out.rsplit("\n[", 1)[0] == by_alias and by_alias.startswith("word1 word2")
 
+    # the Prefect flow run's artifact links the MLflow run (a server: the UI's address)
+    from llmpipe import config as config_mod
+    from llmpipe import tracking
+
+    link, text = tracking.link(config_mod.load(path, [f"tracking.mlflow.tracking_uri={url}"]))
+    assert link == f"{url}/#/experiments/{c.get_run(run_id).info.experiment_id}/runs/{run_id}" and link in text
+
     assert cli.main(["runs", "--tracking-uri", url]) == 0
     header, row = capsys.readouterr().out.splitlines()
     assert header.split() == ["run", "status", "steps", "val_loss", "tokens/s", "gates", "model", "aliases"]
