@@ -93,7 +93,10 @@ def lineage(cfg: RunConfig) -> dict[str, str]:
     if found:
         latest = max(found.values(), key=lambda m: m.finished_at)
         out.update({f"version.{k}": str(v) for k, v in latest.versions.items()})
-    for m in found.values():  # the toolchain a stage found (ATC, CANN): any metric naming a version
+    from llmpipe.export.atc import fingerprint_extra  # ATC where this sync runs: its real path names CANN
+
+    out["toolchain.atc"] = fingerprint_extra(cfg)["atc"] or "not found"
+    for m in found.values():  # any other toolchain version a stage recorded in its metrics
         for k, v in flatten(m.metrics).items():
             if "version" in k.lower() and isinstance(v, (str, int, float)):
                 out[f"version.{m.stage}.{k}"] = str(v)
