@@ -323,7 +323,6 @@ def _run_stage(args: argparse.Namespace) -> int:
     try:
         manifest, executed = run_stage(args.stage, cfg, force=args.force)
     except Exception:
-        report.write(cfg)
         tracking.finish(cfg, ok=False)  # MLflow catches up with the folder: a warning at worst
         raise
     report.write(cfg)
