@@ -13,11 +13,11 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow, get_run_logger
-from prefect.artifacts import create_markdown_artifact
+from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
-from llmpipe import stages
+from llmpipe import stages, tracking
 from llmpipe.lock import run_lock
 from llmpipe.preflight import check_before_run
 from llmpipe.tools import report
@@ -36,6 +36,7 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
     logger = get_run_logger()
     logger.info("run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
     results: dict[str, Any] = {}
+    completed = False
     try:
         with run_lock(cfg.run_dir()) as taken:  # one writer per run folder; stale locks are recognised
             if taken:  # no other attempt is writing: what interrupted ones left can go
@@ -43,13 +44,34 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
             for name in selected:
                 task = TASKS[name].with_options(retries=cfg.run.retries, retry_delay_seconds=cfg.run.retry_delay_s)
                 results[name] = task(config, overrides, force=force or from_stage is not None)
+        completed = True
     finally:
         path = report.write(cfg)
         if path.is_file():
             create_markdown_artifact(report.markdown(cfg), key=_artifact_key(cfg.run.name),
                                      description=f"llmpipe run report: {path}")
             logger.info("report: %s", path)
+        _link_tracking(cfg, completed)
     return results
+
+
+def _link_tracking(cfg, completed: bool) -> None:
+    """The MLflow run marked FINISHED or FAILED (with the report uploaded), and linked from the flow run."""
+    if not tracking.enabled(cfg):
+        return
+    tracking.finish(cfg, completed)
+    found = tracking.link(cfg)
+    if found is None:
+        return
+    url, text = found
+    key = "mlflow-" + _artifact_key(cfg.run.name).removeprefix("report-")
+    try:
+        if url:
+            create_link_artifact(url, link_text=f"MLflow run of {cfg.run.name}", key=key, description=text)
+        else:
+            create_markdown_artifact(text, key=key, description=f"MLflow run of {cfg.run.name}")
+    except Exception as err:  # noqa: BLE001  in a finally: never hide the stage's own error
+        get_run_logger().warning("tracking: the flow run's MLflow artifact was not created: %s", err)
 
 
 def _artifact_key(run_name: str) -> str:

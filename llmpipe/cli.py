@@ -4,14 +4,18 @@
     llmpipe stage STAGE CONFIG [--run-name N] [--set k=v ...] [--force]     (no Prefect)
     llmpipe status RUN [--artifacts-dir DIR] [--config CONFIG [--set k=v ...]]
     llmpipe report RUN [--artifacts-dir DIR]
-    llmpipe generate RUN --prompt TEXT [--max-new-tokens N] [--variant torch|fp32|fp16|int8|int4|int8w|int8s|om]
-                     [--temperature T] [--top-k K] [--top-p P] [--seed S] [--artifacts-dir DIR] (streams text to stdout)
+    llmpipe generate RUN|models:/NAME@ALIAS --prompt TEXT [--max-new-tokens N]
+                     [--variant torch|fp32|fp16|int8|int4|int8w|int8s|om] [--temperature T] [--top-k K] [--top-p P]
+                     [--seed S] [--artifacts-dir DIR]     (streams text to stdout)
     llmpipe generate RUN --chat QUESTION [--system TEXT] [options as above]     (a chat run's answer alone)
-    llmpipe serve RUN|--latest-passing [--variant V] [--host 127.0.0.1] [--port 8000] [--max-batch N]
-                      [--max-queue N] [--api-key-file F] [--allow-ungated]        (an OpenAI-compatible endpoint)
+    llmpipe serve RUN|models:/NAME@ALIAS|--latest-passing [--variant V] [--host 127.0.0.1] [--port 8000]
+                      [--max-batch N] [--max-queue N] [--api-key-file F] [--allow-ungated]   (an OpenAI endpoint)
     llmpipe bench serve RUN [--url URL] [--concurrency 1,4,8,16] [--rate R] [--requests N] [--max-tokens N]
                       [--json OUT]     (an OpenAI-compatible endpoint under load: TTFT, TPOT, tokens/s)
     llmpipe clean RUN [--keep N] [--artifacts-dir DIR]     remove superseded training folders (checkpoints)
+    llmpipe track RUN [--tracking-uri URI] [--artifacts-dir DIR]     log (back-fill) a run folder to MLflow
+    llmpipe promote RUN|NAME/VERSION [--alias production] [--force] [--tracking-uri URI]   (gates must have passed)
+    llmpipe runs [--experiment E] [--tracking-uri URI] [--artifacts-dir DIR]     the runs logged to MLflow
     llmpipe dryrun CONFIG [--world-size N] [--set k=v ...] [--all-ranks]     (fake process group, meta model)
     llmpipe plan CONFIG [--world-size N] [--set k=v ...] [--memory-gib M] [--json] ...   (arithmetic only)
     llmpipe plan CONFIG --deploy [--soc S] [--memory-bandwidth-gbs B] [--memory-gib M]     (inference sizing)
@@ -101,7 +105,8 @@ def _parser() -> argparse.ArgumentParser:
     clean.add_argument("--artifacts-dir", default="artifacts")
 
     gen = sub.add_parser("generate", help="continue a prompt with a finished run's model, streaming the text")
-    gen.add_argument("run", help="run name (folder under the artifacts dir) or the path of a run folder")
+    gen.add_argument("run", help="run name (folder under the artifacts dir), the path of a run folder, or a "
+                     "registered model: models:/NAME@ALIAS or models:/NAME/VERSION")
     what = gen.add_mutually_exclusive_group(required=True)
     what.add_argument("--prompt", help="text to continue")
     what.add_argument("--chat", help="a question for a chat run: rendered with its chat template, only the answer "
@@ -118,10 +123,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0), >= 0")
     gen.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
     gen.add_argument("--artifacts-dir", default="artifacts")
+    gen.add_argument("--tracking-uri", help="with models:/...: the registry (default: MLFLOW_TRACKING_URI, else "
+                     "sqlite:///<artifacts-dir>/mlflow.db)")
 
     srv = sub.add_parser("serve", help="an OpenAI-compatible endpoint (FastAPI + uvicorn) over a finished run whose "
                          "benchmark gates passed")
-    srv.add_argument("run", nargs="?", help="run name (folder under the artifacts dir) or the path of a run folder")
+    srv.add_argument("run", nargs="?", help="run name (folder under the artifacts dir), the path of a run folder, "
+                     "or a registered model: models:/NAME@ALIAS or models:/NAME/VERSION")
     srv.add_argument("--latest-passing", action="store_true", help="instead of RUN: the run under --artifacts-dir "
                      "whose benchmark finished last with --variant through its gates")
     srv.add_argument("--variant", default="fp32", choices=ONNX_VARIANTS,
@@ -137,6 +145,8 @@ def _parser() -> argparse.ArgumentParser:
                      "may take to finish (default 30)")
     srv.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
     srv.add_argument("--artifacts-dir", default="artifacts")
+    srv.add_argument("--tracking-uri", help="with models:/...: the registry (default: MLFLOW_TRACKING_URI, else "
+                     "sqlite:///<artifacts-dir>/mlflow.db)")
 
     bench = sub.add_parser("bench", help="measure a deployed endpoint")
     bench_sub = bench.add_subparsers(dest="bench", required=True)
@@ -180,6 +190,31 @@ def _parser() -> argparse.ArgumentParser:
                          "order kept; a symlink's target is edited; the original kept as CONFIG.bak, or "
                          "CONFIG.bak.1, .2, ... when earlier backups exist)")
     buckets.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    track = sub.add_parser("track", help="log a run folder to MLflow now (tracking.mlflow): params, curves, "
+                           "stage results, artifacts, the registered model; what MLflow has already is not "
+                           "logged twice")
+    track.add_argument("run", help="run name (folder under the artifacts dir)")
+    track.add_argument("--artifacts-dir", default="artifacts")
+    track.add_argument("--tracking-uri", help="default: the run's tracking.mlflow.tracking_uri, else "
+                       "sqlite:///<artifacts-dir>/mlflow.db")
+
+    promote = sub.add_parser("promote", help="move a registry alias (production) to a model version whose "
+                             "benchmark (and evaluation) gates passed")
+    promote.add_argument("ref", metavar="RUN|NAME/VERSION", help="a run name (its current registered version) "
+                         "or a registered model's version")
+    promote.add_argument("--alias", default="production", help="default production")
+    promote.add_argument("--force", action="store_true", help="promote although the gates did not pass "
+                         "(recorded on the version as llmpipe.forced.<alias>, and logged)")
+    promote.add_argument("--artifacts-dir", default="artifacts")
+    promote.add_argument("--tracking-uri", help="default: the run's; for NAME/VERSION: MLFLOW_TRACKING_URI, "
+                         "else sqlite:///<artifacts-dir>/mlflow.db")
+
+    runs = sub.add_parser("runs", help="a table of the runs logged to MLflow: status, steps, final val loss, "
+                          "tokens/s, gate results, registered version and its aliases")
+    runs.add_argument("--experiment", help="one experiment (default: all)")
+    runs.add_argument("--artifacts-dir", default="artifacts")
+    runs.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///<artifacts-dir>/mlflow.db")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -315,8 +350,15 @@ def _run_stage(args: argparse.Namespace) -> int:
         from llmpipe.preflight import check_before_run  # launch, resume, ATC: before the stage runs
 
         check_before_run(cfg, [args.stage], args.force, source=args.config)
-    manifest, executed = run_stage(args.stage, cfg, force=args.force)
+    from llmpipe import tracking
+
+    try:
+        manifest, executed = run_stage(args.stage, cfg, force=args.force)
+    except Exception:
+        tracking.finish(cfg, ok=False)  # MLflow catches up with the folder: a warning at worst
+        raise
     report.write(cfg)
+    tracking.finish(cfg, ok=True)
     word = manifest.status if executed else "up to date (skipped)"
     print(f"{args.stage}: {word}{' - ' + manifest.reason if manifest.reason else ''}")
     return 0
@@ -433,6 +475,8 @@ def main(argv: list[str] | None = None) -> int:
             return _tune(args)
         if args.command == "bench":
             return _bench_serve(args)
+        if args.command in ("track", "promote", "runs"):
+            return {"track": _track, "promote": _promote, "runs": _runs}[args.command](args)
         if args.command == "synth-chat":
             from llmpipe.chat import synth
 
@@ -476,7 +520,22 @@ def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _registry_uri(args: argparse.Namespace) -> str:
+    from llmpipe.config_checks import check_tracking
+    from llmpipe.tracking.client import resolve_uri
+
+    uri = getattr(args, "tracking_uri", None) or os.environ.get("MLFLOW_TRACKING_URI")
+    check_tracking(config_mod.MlflowSection(tracking_uri=uri))  # a scheme MLflow has no store for: one line
+    return resolve_uri(uri, args.artifacts_dir)
+
+
 def _run_dir(args: argparse.Namespace) -> Path:
+    from llmpipe.tracking import registry
+
+    if registry.is_models_uri(args.run):
+        run_dir = registry.resolve(args.run, _registry_uri(args))
+        _recorded_config(run_dir.name, str(run_dir.parent))  # it ran, and its name is a run name
+        return run_dir
     run_dir = Path(args.run)
     if not run_dir.is_dir() or not (args.run.startswith((".", "/")) or os.sep in args.run):
         _recorded_config(args.run, args.artifacts_dir)  # a run name: checks the name and that it ran
@@ -510,6 +569,53 @@ def _bench_serve(args: argparse.Namespace) -> int:
     levels = parse_levels(args.concurrency)
     return bench_serve(_run_dir(args), args.url, args.variant, levels, args.rate, args.requests, args.prompt_tokens,
                        args.max_tokens, args.seed, args.api_key_file, args.json, args.allow_ungated)
+
+
+def _tracked_config(args: argparse.Namespace) -> config_mod.RunConfig:
+    """The run's recorded config, tracking on, at --tracking-uri when given."""
+    from llmpipe.config_checks import check_tracking
+
+    cfg = _recorded_config(args.run if hasattr(args, "run") else args.ref, args.artifacts_dir)
+    section = cfg.tracking.mlflow
+    section.enabled = True
+    if args.tracking_uri:
+        section.tracking_uri = args.tracking_uri
+    check_tracking(section)
+    return cfg
+
+
+def _track(args: argparse.Namespace) -> int:
+    from llmpipe import tracking
+
+    cfg = _tracked_config(args)
+    done = tracking.backfill(cfg)
+    versions = ", ".join(f"{v['name']}/{v['version']}" for v in done["versions"].values()) or "none"
+    print(f"track: {cfg.run.name} -> MLflow run {done['run_id']} in {done['uri']} (model versions: {versions})")
+    return 0
+
+
+def _promote(args: argparse.Namespace) -> int:
+    from llmpipe.tracking import registry
+    from llmpipe.tracking.folder import store_state
+
+    ref = registry.parse_ref(args.ref)
+    if ref is None:  # a run name: its current consolidated model's version, in its own store
+        args.run = args.ref
+        cfg = _tracked_config(args)
+        name, version = registry.current_version(cfg)
+        uri = store_state(cfg)[0]
+    else:
+        name, version = ref
+        uri = _registry_uri(args)
+    print(f"promote: {registry.promote(uri, name, version, args.alias, args.force)}")
+    return 0
+
+
+def _runs(args: argparse.Namespace) -> int:
+    from llmpipe.tracking import runs
+
+    print(runs.table(runs.rows(_registry_uri(args), args.experiment)))
+    return 0
 
 
 def _written_under(args: argparse.Namespace) -> str | None:

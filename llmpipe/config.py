@@ -666,6 +666,29 @@ class BenchmarkSection(Section):
     device_id: int = Op(0, ge=0, description="NPU device ais_bench runs the OM models on.")
 
 
+class MlflowSection(Section):
+    """Experiment tracking and the model registry (llmpipe.tracking). Tracking never fails a stage: a
+    server that cannot be reached costs one warning line and is tried again after the next stage."""
+
+    enabled: bool = Op(False, description="Log this run to MLflow: one MLflow run per llmpipe run (params, "
+                       "the train curves by global step, stage statuses, benchmark results, artifacts) and "
+                       "register consolidate's hf/ as a model version.")
+    tracking_uri: str | None = Op(None, description="Where: a server (http://host:5000), a database "
+                                  "(sqlite:///path/mlflow.db) or a folder; null: sqlite:///<artifacts_dir>/"
+                                  "mlflow.db, which needs nothing started.")
+    experiment: str | None = Op(None, description="MLflow experiment; null: the config file's name "
+                                "(configs/tiny.yaml: tiny), else the run name.")
+    model_name: str | None = Op(None, description="Registered model that consolidate's hf/ becomes a new "
+                                "version of; null: the run name.")
+    timeout_s: float = Op(10.0, gt=0, le=600, description="HTTP timeout of one request to a tracking server.")
+    retries: int = Op(1, ge=0, le=10, description="HTTP retries of one request (MLflow's own backoff); the "
+                      "sync after the next stage retries the rest.")
+
+
+class TrackingSection(Section):
+    mlflow: MlflowSection = Op(default_factory=MlflowSection, description="MLflow tracking and registry.")
+
+
 class RunConfig(Section):
     run: RunSection = Res(default_factory=RunSection)
     data: DataSection = Res(...)
@@ -675,6 +698,7 @@ class RunConfig(Section):
     export: ExportSection = Res(default_factory=ExportSection)
     convert_om: ConvertOmSection = Res(default_factory=ConvertOmSection)
     benchmark: BenchmarkSection = Res(default_factory=BenchmarkSection)
+    tracking: TrackingSection = Op(default_factory=TrackingSection, description="Experiment tracking.")
 
     @model_validator(mode="after")
     def _pretrained_tokenizer(self) -> RunConfig:
@@ -755,6 +779,7 @@ def from_dict(tree: dict[str, Any], source: str = "config", *, check: Check = "m
 
     try:
         config_checks.check_artifacts_dir(cfg.run.artifacts_dir)
+        config_checks.check_tracking(cfg.tracking.mlflow)
         if check != "fields":
             config_checks.check_atc(cfg)
             config_checks.check_model(cfg)
@@ -778,7 +803,18 @@ def load(path: str | Path, overrides: list[str] | tuple[str, ...] = (), *, check
         raise ConfigError(f"{path}: top level must be a mapping of sections, got {type(tree).__name__}")
     for assignment in overrides:
         apply_override(tree, assignment)
+    _default_experiment(tree, path.stem)
     return from_dict(tree, source=str(path), check=check)
+
+
+def _default_experiment(tree: dict[str, Any], name: str) -> None:
+    """tracking.mlflow.experiment defaults to the config file's name; set here (it is recorded with the
+    config, so `llmpipe track RUN` finds it later). A malformed section is left for validation to name."""
+    tracking = tree.setdefault("tracking", {}) if tree.get("tracking") is None else tree["tracking"]
+    if isinstance(tracking, dict):
+        section = tracking.setdefault("mlflow", {}) if tracking.get("mlflow") is None else tracking["mlflow"]
+        if isinstance(section, dict) and section.get("experiment") is None:
+            section["experiment"] = name
 
 
 def role(cls: type[BaseModel], name: str) -> str | None:

@@ -50,6 +50,43 @@ def check_artifacts_dir(path: str) -> None:
             return
 
 
+# MLflow's tracking-store schemes (a plugin adds more through the `mlflow.tracking_store` entry points). An
+# empty scheme is a local folder (a file store).
+TRACKING_SCHEMES = ("file", "sqlite", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc",
+                    "uc")
+
+
+def _tracking_schemes() -> set[str]:
+    """The store schemes MLflow takes: its own, and any a plugin registers (entry points; no mlflow import)."""
+    from importlib.metadata import entry_points
+
+    return {*TRACKING_SCHEMES, *(e.name for e in entry_points(group="mlflow.tracking_store"))}
+
+
+def check_tracking(section) -> None:
+    """tracking.mlflow: a tracking URI MLflow has a store for, and a model name its registry accepts.
+    NOTE: the name rule is mlflow.utils.validation._validate_model_name's (not empty; no '/' or ':'; a
+    normalised path equal to itself), repeated here because importing mlflow takes seconds."""
+    import posixpath
+    from urllib.parse import urlparse
+
+    if section.tracking_uri is not None:
+        scheme = urlparse(section.tracking_uri).scheme.split("+")[0]
+        if len(scheme) > 1 and scheme not in _tracking_schemes():  # one letter: a Windows drive
+            raise ConfigError(f"tracking.mlflow.tracking_uri: {section.tracking_uri!r} has the scheme {scheme!r}, "
+                              "which MLflow has no store for (http, https, sqlite, file, postgresql, mysql, ...)")
+    name = section.model_name
+    if name is not None:
+        norm = posixpath.normpath(name)
+        if not name.strip() or "/" in name or ":" in name or norm != name or norm == "." or norm.startswith(".."):
+            raise ConfigError(f"tracking.mlflow.model_name: {name!r} is refused by MLflow's registry (not empty, "
+                              "no '/' or ':', no '..' or '.')")
+    for field in ("experiment",):
+        value = getattr(section, field)
+        if value is not None and not value.strip():
+            raise ConfigError(f"tracking.mlflow.{field}: must not be empty")
+
+
 def check_atc(cfg: RunConfig) -> None:
     """convert_om.soc_version one ATC knows, convert_om.input_shape well formed ('name:dims;name2:dims')
     and dynamic_dims consistent with it (llmpipe.export.atc's own rules), so an ATC argument error

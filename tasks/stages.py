@@ -15,7 +15,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 
 from llmpipe import config as config_mod
-from llmpipe import stages
+from llmpipe import stages, tracking
 
 
 def _run(name: str, config: str, overrides: list[str], force: bool) -> dict[str, Any]:
@@ -25,7 +25,10 @@ def _run(name: str, config: str, overrides: list[str], force: bool) -> dict[str,
         from tasks.units import executor as units_executor
 
         executor = units_executor(cfg.data)
-    manifest, executed = stages.run_stage(name, cfg, force=force, executor=executor)
+    try:
+        manifest, executed = stages.run_stage(name, cfg, force=force, executor=executor)
+    finally:  # MLflow catches up with the run folder, whatever the stage did (a warning at worst)
+        tracking.after_stage(cfg)
     folder = stages.stage_dir(cfg.run_dir(), name)
     if executed:
         lines = [f"**{name}**: {manifest.status} in {manifest.duration_s:.1f}s, fingerprint "

@@ -183,7 +183,7 @@ LAYERS = (
     {"parallel"},  # layouts and strategies: they use checkpoint/, checkpoint/ never reaches into them
     {"train", "export", "bench"},  # the stages that drive them
     {"config_checks", "preflight"},  # what is checked before a run: of the config alone, of this machine
-    {"tools"},  # user tools outside the stages
+    {"tools", "tracking"},  # user tools outside the stages; MLflow, fed from the run folder
     {"cli", "__main__"},
 )
 def test_the_chat_room_imports_only_the_errors_jinja2_and_the_standard_library():
