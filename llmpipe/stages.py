@@ -81,8 +81,9 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run",
               number=3, revision=2, extra="llmpipe.checkpoint.consolidate:fingerprint_extra",
               outputs=("model", "model_config", "tokenizer")),
+    # revision 2: ort/, onnxruntime's own graph (onnxruntime-genai's builder on hf/; issue 25)
     StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run",
-              number=4, outputs=("model", "parity")),
+              number=4, revision=2, outputs=("model", "parity")),
     StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run", number=5,
               extra="llmpipe.export.atc:fingerprint_extra", outputs=("om", "log", "argv"), may_skip=True),
     StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate", "prepare_data", "train"),

@@ -52,6 +52,29 @@ class GraphConfig:
                    int(config["model"]["context_length"]), bool(config["search"].get("past_present_share_buffer")))
 
 
+def graph_problem(session: ort.InferenceSession, config: GraphConfig, args) -> str | None:
+    """Why `session` is not the builder's graph of a model of `args` (ModelArgs) as FusedEngine drives it, or None."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    caches = [f"{PAST}{i}.{part}" for i in range(args.n_layers) for part in ("key", "value")]
+    missing = [n for n in ["input_ids", "attention_mask", *caches] if n not in inputs]
+    if missing:
+        return f"no input {missing[0]!r}"
+    extra = [n for n in inputs if n not in {"input_ids", "attention_mask", "position_ids", *caches}]
+    if extra:
+        return f"an unexpected input {extra[0]!r}"
+    missing = [n for n in ["logits", *[PRESENT + c.removeprefix(PAST) for c in caches]] if n not in outputs]
+    if missing:
+        return f"no output {missing[0]!r}"
+    vocab = outputs["logits"].shape[-1]
+    if vocab != args.vocab_size:
+        return f"output 'logits' has {vocab} on its last axis, expected {args.vocab_size}"
+    if (config.kv_heads, config.head_dim) != (args.n_kv_heads, args.head_dim):
+        return (f"genai_config.json says {config.kv_heads} kv heads of {config.head_dim}, expected "
+                f"{args.n_kv_heads} of {args.head_dim}")
+    return None
+
+
 class FusedEngine:
     """Drives the builder's graph through a plain onnxruntime session (see the module docstring). Every
     row of a batch holds the same number of tokens (the prompts are as long as each other)."""
