@@ -8,11 +8,12 @@ the rotary embedding inside, SkipSimplifiedLayerNormalization, MatMulNBits at in
 buffer shared by past and present. llmpipe.infer.fused.FusedEngine drives it through a plain
 onnxruntime session (no genai runtime), so llmpipe's gates, generate and benchmark see the usual engine.
 
-Why the builder and not onnxruntime's transformer optimizer on llmpipe's own export: the optimizer's
-fusions match the graphs torch's exporters make for Hugging Face models and fuse no attention in
-llmpipe's (masked attention over a static cache); the builder writes the fused graph directly, and is
-what onnxruntime-genai itself runs, so the peer comparison (benchmarks/deploy_vs_peers.py) measures
-llmpipe's engine on the same graph.
+Why the builder and not onnxruntime's transformer optimizer on llmpipe's own export: on decoder_ort.onnx
+(debug flavor, model_type gpt2 or bert) the optimizer fuses the RMSNorms (1 SimplifiedLayerNormalization,
+4 SkipSimplifiedLayerNormalization) but no attention and no rotary embedding (0 Attention,
+MultiHeadAttention, GroupQueryAttention, RotaryEmbedding): its attention patterns are those of the graphs
+torch's exporters make for Hugging Face models. The builder writes the fused graph directly and is what
+onnxruntime-genai itself runs, so benchmarks/deploy_vs_peers.py measures llmpipe's engine on the same graph.
 """
 
 from __future__ import annotations
