@@ -134,3 +134,15 @@ def test_ort_graph_without_an_hf_folder_is_one_line_naming_the_field_before_any_
                                          r"\(set consolidate\.hf_layout: true\)$"):
         export.run(ctx)
     assert list(ctx.work_dir.iterdir()) == []
+
+
+def test_the_benchmark_stage_runs_fp32_on_the_cpu_through_the_ort_graph(built):
+    from llmpipe.bench import deploy
+    from llmpipe.infer.decode import TorchEngine, generate
+
+    run, model, _ = built
+    m = deploy.Models(ARGS, model, {}, {}, 64, 1, requested=["fp32"], ort_graph=stage_dir(run, "export_onnx") / "ort")
+    engine = deploy._ort_engine(m, "fp32", export.device.ort_providers(["cpu"])[0])
+    assert isinstance(engine, FusedEngine)
+    ids = np.random.default_rng(5).integers(0, ARGS.vocab_size, (2, 7))
+    assert (generate(engine, ids, 9).tokens == generate(TorchEngine(model), ids, 9).tokens).all()
