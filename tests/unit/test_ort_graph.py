@@ -146,3 +146,14 @@ def test_the_benchmark_stage_runs_fp32_on_the_cpu_through_the_ort_graph(built):
     assert isinstance(engine, FusedEngine)
     ids = np.random.default_rng(5).integers(0, ARGS.vocab_size, (2, 7))
     assert (generate(engine, ids, 9).tokens == generate(TorchEngine(model), ids, 9).tokens).all()
+
+
+def test_ort_graph_with_consolidate_writing_no_hf_folder_is_refused_when_the_config_loads(tmp_path):
+    from llmpipe.config import ConfigError
+
+    tree = {"run": {"name": "t", "artifacts_dir": str(tmp_path / "artifacts")}, "data": {"inputs": ["x"]},
+            "consolidate": {"hf_layout": False}, "export": {"ort_graph": True}}
+    with pytest.raises(ConfigError) as err:
+        from_dict(tree)
+    assert str(err.value) == ("config: export.ort_graph: the builder reads consolidate's hf/ folder "
+                              "(set consolidate.hf_layout: true)")
