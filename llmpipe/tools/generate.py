@@ -119,8 +119,9 @@ def _eos_ids(consolidated: Path, tokenizer, vocab_size: int) -> list[int]:
     return [own] if own is not None else []
 
 
-def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
-    """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`."""
+def open_run(run_dir: Path, variant: str, threads: int | None = None, ort_graph: bool = True) -> Loaded:
+    """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`. `ort_graph`: fp32 runs
+    export_onnx's ort/ graph when there is one (False: the portable graphs, whose StaticEngine serve batches)."""
     import torch
 
     from llmpipe.data.tokenizer import load_tokenizer
@@ -146,7 +147,7 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
     folder, manifest = _stage(run_dir, "export_onnx", "decoder_static",
                               "export it with export.static_decoder: true")
     length = _cache_len(folder, manifest)
-    if variant == "fp32" and ORT_GRAPH in manifest.outputs:
+    if variant == "fp32" and ort_graph and ORT_GRAPH in manifest.outputs:
         return Loaded(_fused_engine(manifest.path(folder, ORT_GRAPH).parent, threads, args, length), tokenizer, eos,
                       f"onnxruntime fp32, ORT-optimised graph (export_onnx's ort/), KV cache of {length}")
     if variant == "fp32":

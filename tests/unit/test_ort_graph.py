@@ -157,3 +157,15 @@ def test_ort_graph_with_consolidate_writing_no_hf_folder_is_refused_when_the_con
         from_dict(tree)
     assert str(err.value) == ("config: export.ort_graph: the builder reads consolidate's hf/ folder "
                               "(set consolidate.hf_layout: true)")
+
+
+def test_serve_opens_the_portable_graphs_whose_rows_it_batches_at_their_own_positions(built):
+    from llmpipe.infer.decode import StaticEngine
+    from llmpipe.tools.generate import open_run
+    from llmpipe.tools.serve import _slots
+
+    run, _, _ = built
+    assert isinstance(open_run(run, "fp32", 1).engine, FusedEngine)
+    loaded = open_run(run, "fp32", 1, ort_graph=False)
+    assert isinstance(loaded.engine, StaticEngine)
+    assert _slots(loaded, 4)[1] == "continuous batching over the static decoder's rows"
