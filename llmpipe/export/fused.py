@@ -19,6 +19,7 @@ onnxruntime-genai itself runs, so benchmarks/deploy_vs_peers.py measures llmpipe
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import subprocess
 import sys
@@ -55,7 +56,9 @@ def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", timeout_s: float
             "-c", str(tmp / "cache")]
     with open(log_path, "wb") as out:
         try:
-            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False)
+            # offline: the folder is local, and nothing (a tokenizer, a config) is to be fetched from a hub
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False, env=env)
         except subprocess.TimeoutExpired:
             shutil.rmtree(tmp, ignore_errors=True)
             raise StageError(f"ORT-optimised graph: the builder ran past {timeout_s:.0f}s (log: {log_path})") from None

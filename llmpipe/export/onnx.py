@@ -1,6 +1,6 @@
 """The export_onnx stage: consolidated weights -> ONNX graphs, checked, with ORT parity numbers.
 
-Three graphs, each with its own export function over the shared `_export_graph`:
+Three graphs, each with its own export function over the shared `_export_graph`, and optionally a fourth:
 
 - model.onnx (prefill): `input_ids` int64 (batch, seq) -> `logits` float32 (batch, seq, vocab) and
   the prompt's cache `present.{i}.key/value` (batch, kv_heads, seq, head_dim) per layer; batch and
@@ -15,6 +15,10 @@ Three graphs, each with its own export function over the shared `_export_graph`:
   own `new.{i}.key/value` (batch, kv_heads, chunk, head_dim), which the caller writes into slots
   `position_ids` of its cache. Only batch and chunk are dynamic (ATC pins them too). The graph only
   reads the cache, so a decode loop never copies it.
+- ort/ (export.ort_graph; for onnxruntime only): onnxruntime-genai's model builder run on consolidate's
+  hf/ (llmpipe.export.fused): fused attention over the filled cache, fused norms and rotary embedding,
+  one cache buffer shared by past and present; checked by FusedEngine's greedy decoding against PyTorch
+  like the static decoder.
 
 A chat run's template travels with the graphs: consolidate's copies (chat_template.jinja, hf/'s
 tokenizer_config.json) are checked against training's digest before anything is exported (an artifact
