@@ -9,7 +9,10 @@ engines of llmpipe.infer.decode run them on onnxruntime's CPU provider at batch 
 
 - static: StaticEngine over decoder_static.onnx (what `generate` and the benchmark stage use today);
 - growing: GrowingEngine over decoder_ort.onnx, its cache a power-of-two bucket (from --min-bucket) that
-  doubles as it fills.
+  doubles as it fills;
+- fused: FusedEngine over onnxruntime-genai's builder graph of the same weights (export_onnx's ort/, what
+  `generate` and the benchmark run for fp32 on the CPU): GroupQueryAttention reads the filled slots only,
+  the --cache slot buffer bound in place as past and present.
 
 Per-token time at fill f: a prompt of f - 8 tokens, then 8 timed steps (the cache holds f - 8 ... f - 1
 tokens as they run; at f = --cache that is the last 8 slots), the median step of the 8. Engines and fills
@@ -23,6 +26,7 @@ machine do not inflate. A whole generation (prompt 16 up to a full cache) is tim
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import tempfile
@@ -35,8 +39,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe import device  # noqa: E402
+from llmpipe.data.tokenizer import train_tokenizer  # noqa: E402
+from llmpipe.export import fused  # noqa: E402
 from llmpipe.export.onnx import export_ort_decoder, export_prefill, export_static_decoder, random_ids  # noqa: E402
 from llmpipe.infer.decode import GrowingEngine, StaticEngine, generate  # noqa: E402
+from llmpipe.infer.fused import FusedEngine, GraphConfig  # noqa: E402
 from llmpipe.infer.ort import create_session  # noqa: E402
 from llmpipe.models.llama import FLAVORS, Transformer  # noqa: E402
 
@@ -51,12 +58,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--cache", type=int, default=1024, help="cache slots (decoder_static's fixed length)")
     p.add_argument("--fills", default="16,256,1024", help="cache fills to time, comma-separated")
     p.add_argument("--min-bucket", type=int, default=64, help="the growing engine's smallest bucket")
+    p.add_argument("--engines", default="static,growing,fused", help="static, growing, fused (comma-separated)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--threads", type=int, default=1, help="intra-op threads (default 1: then CPU time is the "
                                                           "work of one core, whatever else the machine runs)")
     p.add_argument("--whole-repeats", type=int, default=2, help="repeats that also time a whole generation (0: none)")
     a = p.parse_args(argv)
     a.fills = [int(f) for f in a.fills.split(",")]
+    a.engines = a.engines.split(",")
     bad = [f for f in a.fills if not WINDOW < f <= a.cache]
     if bad:
         p.error(f"--fills: {bad[0]} is not in ({WINDOW}, --cache={a.cache}]")
@@ -78,9 +87,15 @@ def engines(flavor: str, a: argparse.Namespace, folder: Path) -> tuple[dict, int
     def session(name):
         return create_session(paths[name], cpu, a.threads)
 
-    return {"static": StaticEngine(session("model"), session("decoder_static"), args, a.cache),
-            "growing": GrowingEngine(session("model"), session("decoder_ort"), args, a.cache, a.min_bucket)}, \
-        args.num_params()
+    out = {"static": StaticEngine(session("model"), session("decoder_static"), args, a.cache),
+           "growing": GrowingEngine(session("model"), session("decoder_ort"), args, a.cache, a.min_bucket)}
+    if "fused" in a.engines:
+        docs = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+        hf = fused.write_hf_folder(model, folder / f"{flavor}-hf", train_tokenizer(docs, 512))
+        built = fused.build(hf, folder / f"{flavor}-ort", "fp32").parent
+        out["fused"] = FusedEngine(create_session(built / "model.onnx", cpu, a.threads), GraphConfig.read(built),
+                                   a.cache)
+    return {k: v for k, v in out.items() if k in a.engines}, args.num_params()
 
 
 def per_token_ms(engine, fill: int, vocab: int, seed: int) -> tuple[float, float]:
@@ -146,13 +161,16 @@ def report(results: dict, a: argparse.Namespace, clock: str) -> None:
             cells = " | ".join(_cell(v) for v in runs.values())
             print(f"| {flavor} ({res['params'] / 1e6:.1f}M) | {name} | {cells} | {med[hi] / med[lo]:.2f} | "
                   f"{_cell(res['whole'][clock][name])} |")
-    print(f"\ngrowing / static ({what}):")
-    for flavor, res in results.items():
-        s, g = res["runs"][clock]["static"], res["runs"][clock]["growing"]
-        ratios = ", ".join(f"fill {f} {statistics.median(g[f]) / statistics.median(s[f]):.2f}" for f in a.fills)
-        ws, wg = res["whole"][clock]["static"], res["whole"][clock]["growing"]
-        whole = f"; whole generation {statistics.median(wg) / statistics.median(ws):.2f}" if ws else ""
-        print(f"  {flavor}: {ratios}{whole}")
+    for name in ("growing", "fused"):
+        if name not in a.engines or "static" not in a.engines:
+            continue
+        print(f"\n{name} / static ({what}):")
+        for flavor, res in results.items():
+            s, g = res["runs"][clock]["static"], res["runs"][clock][name]
+            ratios = ", ".join(f"fill {f} {statistics.median(g[f]) / statistics.median(s[f]):.2f}" for f in a.fills)
+            ws, wg = res["whole"][clock]["static"], res["whole"][clock][name]
+            whole = f"; whole generation {statistics.median(wg) / statistics.median(ws):.2f}" if ws else ""
+            print(f"  {flavor}: {ratios}{whole}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -473,6 +473,10 @@ class ExportSection(Section):
                                "cache has a fixed length (what ATC can compile; decoded in place).")
     kv_cache_len: int | None = Res(None, ge=2, description="Cache slots of the static decoder (the longest "
                                    "prompt + generated text it holds); null: min(model max_seq_len, 1024).")
+    ort_graph: bool = Res(False, added=True, description="Also write ort/: onnxruntime's own graph of the model "
+                          "(onnxruntime-genai's model builder on consolidate's hf/: attention fused over the filled "
+                          "cache only, fused norms and rotary embedding), which generate and the benchmark then run "
+                          "for fp32 on the CPU. Needs consolidate.hf_layout and the onnxruntime-genai package.")
 
     @model_validator(mode="after")
     def _opset(self) -> ExportSection:

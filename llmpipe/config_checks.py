@@ -171,6 +171,9 @@ def check_model(cfg: RunConfig) -> None:
     cache = cfg.export.kv_cache_len
     if cfg.export.static_decoder and cache is not None and cache > args.max_seq_len:
         raise ConfigError(f"export.kv_cache_len={cache} exceeds the model's max_seq_len={args.max_seq_len}")
+    if cfg.export.ort_graph and not cfg.consolidate.hf_layout:
+        raise ConfigError("export.ort_graph: the builder reads consolidate's hf/ folder (set consolidate.hf_layout: "
+                          "true)")
     if cfg.model.init_from:  # Mistral's sliding window equals full attention only within the window
         from llmpipe.models.llama import hf, hf_files
 

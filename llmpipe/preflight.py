@@ -2,7 +2,8 @@
 to run (selected, and forced or not done): before training, `check_launch` (the hostfile readable,
 dp x tp x pp against the world size the train stage will start: nproc_per_node x train.nodes, or x
 the hostfile's hosts) and `check_resume` (an explicit train.checkpoint.resume holds this config's
-model); before convert_om, `check_atc_present` (ATC found when convert_om.required is true).
+model); before convert_om, `check_atc_present` (ATC found when convert_om.required is true); with
+export_onnx selected and export.ort_graph on, `check_ort_builder` (onnxruntime-genai's builder installed).
 `check_before_run` runs them; `llmpipe run`, `llmpipe stage` and the flow call it.
 
 What a config can tell about itself alone is llmpipe.config_checks' (run when the config loads);
@@ -97,6 +98,16 @@ def check_atc_present(cfg: RunConfig) -> None:
         raise ConfigError(atc.required_but_missing())
 
 
+def check_ort_builder(cfg: RunConfig) -> None:
+    """export.ort_graph: onnxruntime-genai's builder (and what it imports) installed here, checked before
+    training instead of at export_onnx."""
+    from llmpipe.export import fused
+
+    reason = fused.unavailable_reason()
+    if reason:
+        raise ConfigError(f"export.ort_graph: {reason}")
+
+
 def _to_run(cfg: RunConfig, selected: list[str], force: bool) -> set[str]:
     """Which of train and convert_om a pipeline run will run: selected, and forced or not done (train
     also when prepare_data is not done: its new output would make train stale)."""
@@ -126,5 +137,7 @@ def check_before_run(cfg: RunConfig, selected: list[str], force: bool, source: s
             check_resume(cfg)
         if "convert_om" in stages:
             check_atc_present(cfg)
+        if "export_onnx" in selected and cfg.export.ort_graph:
+            check_ort_builder(cfg)
     except ConfigError as err:
         raise ConfigError(f"{source}: {err}") from None

@@ -81,6 +81,8 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
     StageSpec("consolidate", ("consolidate",), ("train", "prepare_data"), "llmpipe.checkpoint.consolidate:run",
               number=3, revision=2, extra="llmpipe.checkpoint.consolidate:fingerprint_extra",
               outputs=("model", "model_config", "tokenizer")),
+    # NOTE: ort/ (export.ort_graph, issue 25) is written only when that added field is on, so what the stage
+    # produces at its defaults is unchanged: revision 1 still, and no finished export re-runs on upgrade
     StageSpec("export_onnx", ("export",), ("consolidate",), "llmpipe.export.onnx:run",
               number=4, outputs=("model", "parity")),
     StageSpec("convert_om", ("convert_om",), ("export_onnx",), "llmpipe.export.atc:run", number=5,

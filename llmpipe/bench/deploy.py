@@ -1,5 +1,6 @@
 """The deployment half of the benchmark stage: which engines exist (PyTorch eager, onnxruntime
-variants with the static decoder, OM models through ais_bench), their generation numbers
+variants with the static decoder, fp32 on the CPU through export_onnx's ORT-optimised graph when it
+wrote one, OM models through ais_bench), their generation numbers
 (llmpipe.bench.llm), and their quality on validation text along the parity chain with the gates
 of benchmark.quality (llmpipe.bench.quality).
 """
@@ -55,9 +56,17 @@ class Models:
     om: OmModels | None = None
     om_reason: str | None = None  # why there are no OM numbers
     requested: list[str] = field(default_factory=list)
+    ort_graph: Path | None = None  # export_onnx's ort/ folder (export.ort_graph): fp32 on the CPU runs it
 
 
-def _ort_engine(m: Models, name: str, provider: OrtProvider) -> StaticEngine:
+def _ort_engine(m: Models, name: str, provider: OrtProvider):
+    """fp32 on the CPU: FusedEngine over export_onnx's ort/ graph when there is one; else StaticEngine over the
+    variant's prefill graph and static decoder."""
+    if name == "fp32" and m.ort_graph is not None and provider == device.ort_providers(["cpu"])[0]:
+        from llmpipe.infer.fused import FusedEngine, GraphConfig
+
+        return FusedEngine(create_session(m.ort_graph / "model.onnx", provider, m.threads),
+                           GraphConfig.read(m.ort_graph), m.cache_len)
     prefill, static = m.prefill[name], m.static[name]
     for v in (prefill, static):
         if v.error:

@@ -419,8 +419,10 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int, calib:
         static = make_variants(path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, filename=STATIC_FILE,
                                quantize=cfg.quantize, calibration=reader)
     om, om_reason = om_models(ctx)
+    ort_graph = ctx.input_path("export_onnx", "ort_graph/model.onnx").parent \
+        if "ort_graph/model.onnx" in export.outputs else None
     return Models(args, torch_model, variants, static, export.metrics.get("static_decoder_cache_len"), threads,
-                  om, om_reason, list(cfg.variants))
+                  om, om_reason, list(cfg.variants), ort_graph)
 
 
 def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:

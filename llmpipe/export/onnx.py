@@ -1,6 +1,6 @@
 """The export_onnx stage: consolidated weights -> ONNX graphs, checked, with ORT parity numbers.
 
-Three graphs, each with its own export function over the shared `_export_graph`:
+Three graphs, each with its own export function over the shared `_export_graph`, and optionally a fourth:
 
 - model.onnx (prefill): `input_ids` int64 (batch, seq) -> `logits` float32 (batch, seq, vocab) and
   the prompt's cache `present.{i}.key/value` (batch, kv_heads, seq, head_dim) per layer; batch and
@@ -15,6 +15,10 @@ Three graphs, each with its own export function over the shared `_export_graph`:
   own `new.{i}.key/value` (batch, kv_heads, chunk, head_dim), which the caller writes into slots
   `position_ids` of its cache. Only batch and chunk are dynamic (ATC pins them too). The graph only
   reads the cache, so a decode loop never copies it.
+- ort/ (export.ort_graph; for onnxruntime only): onnxruntime-genai's model builder run on consolidate's
+  hf/ (llmpipe.export.fused): fused attention over the filled cache, fused norms and rotary embedding,
+  one cache buffer shared by past and present; checked by FusedEngine's greedy decoding against PyTorch
+  like the static decoder.
 
 A chat run's template travels with the graphs: consolidate's copies (chat_template.jinja, hf/'s
 tokenizer_config.json) are checked against training's digest before anything is exported (an artifact
@@ -40,6 +44,7 @@ from torch import nn
 
 from llmpipe import device
 from llmpipe.checkpoint.template_digest import METRIC, TEMPLATE_FILE, check_folder, digest, training_digest
+from llmpipe.export import fused
 from llmpipe.infer.graphs import (
     DECODER_FILE,
     EXTERNAL_DATA_BYTES,
@@ -60,6 +65,7 @@ from llmpipe.stages import StageContext, StageError, StageResult
 log = logging.getLogger("llmpipe.export")
 
 PARITY_FILE = "parity.json"
+ORT_DIR = "ort"  # onnxruntime's own graph (llmpipe.export.fused), fp32
 # NOTE: trace with batch != seq and neither equal to 1: the tracer may bake a size-1 dimension
 # into broadcasts, or confuse two equal dimensions, which would break the dynamic axes.
 TRACE_SHAPE = (2, 16)
@@ -258,11 +264,31 @@ def static_parity(model: Transformer, prefill_path: Path, static_path: Path, len
     """Greedy continuation of random prompts (batch 1 and 2) by onnxruntime's prefill graph plus
     static decoder vs PyTorch's full-sequence pass (the whole sequence re-run every token): the
     tokens must be identical, and each step's logits are compared."""
-    from llmpipe.infer.decode import StaticEngine, greedy_reference
+    from llmpipe.infer.decode import StaticEngine
 
     cpu = device.ort_providers(["cpu"])[0].ort_name
     engine = StaticEngine(ort.InferenceSession(str(prefill_path), providers=[cpu]),
                           ort.InferenceSession(str(static_path), providers=[cpu]), model.args, length)
+    return engine_parity(model, engine, length, seed, new_tokens, prompt_len)
+
+
+def ort_graph_parity(model: Transformer, folder: Path, length: int, seed: int, new_tokens: int = 64,
+                     prompt_len: int = 16) -> dict:
+    """static_parity's check for the builder's graph in `folder` (llmpipe.export.fused) run by FusedEngine."""
+    from llmpipe.infer.fused import FusedEngine, GraphConfig
+
+    cpu = device.ort_providers(["cpu"])[0].ort_name
+    engine = FusedEngine(ort.InferenceSession(str(folder / MODEL_FILE), providers=[cpu]),
+                         GraphConfig.read(folder), length)
+    return engine_parity(model, engine, length, seed, new_tokens, prompt_len)
+
+
+def engine_parity(model: Transformer, engine, length: int, seed: int, new_tokens: int = 64,
+                  prompt_len: int = 16) -> dict:
+    """Greedy continuation of random prompts (batch 1 and 2) by a decoding engine (start/step) vs
+    PyTorch's full-sequence pass: whether the tokens are identical, and each step's logits compared."""
+    from llmpipe.infer.decode import greedy_reference
+
     prompt_len = max(1, min(prompt_len, length // 2))
     n = max(1, min(new_tokens, length - prompt_len))
     per_batch = []
@@ -378,6 +404,7 @@ def run(ctx: StageContext) -> StageResult:
     """The export_onnx stage: model.onnx (+ model.onnx.data) and parity.json in ctx.work_dir."""
     cfg = ctx.cfg.export
     template = _chat_template(ctx)  # before any work: a drifted template is refused in a second
+    hf_dir = _ort_graph_source(ctx)  # before any work too: export.ort_graph with no builder or no hf/
     model = _load(ctx)
     check_shapes(cfg.parity_shapes, model.args.max_seq_len, "export.parity_shapes")
     path = ctx.work_dir / MODEL_FILE
@@ -417,11 +444,23 @@ def run(ctx: StageContext) -> StageResult:
                  report["static_decoder"]["runs"][0]["new_tokens"],
                  "identical to" if report["static_decoder"]["identical_tokens"] else "DIFFERENT from",
                  report["static_decoder"]["max_abs_diff"])
-    same_tokens = report.get("static_decoder", {}).get("identical_tokens", True)
+    if hf_dir is not None:
+        t1 = time.perf_counter()
+        fused.build(hf_dir, ctx.work_dir / ORT_DIR, "fp32")
+        length = cache_len(cfg.kv_cache_len, model.args.max_seq_len)
+        report["ort_graph"] = ort_graph_parity(model, ctx.work_dir / ORT_DIR, length, ctx.cfg.run.seed)
+        worst = max(worst, report["ort_graph"]["max_abs_diff"])
+        outputs["ort_graph"] = ORT_DIR
+        log.info("ort/ (onnxruntime-genai's builder, %.1fs): greedy %s PyTorch's, max abs logit diff %.3g",
+                 time.perf_counter() - t1, "identical to" if report["ort_graph"]["identical_tokens"] else
+                 "DIFFERENT from", report["ort_graph"]["max_abs_diff"])
+    same_tokens = all(report.get(k, {}).get("identical_tokens", True) for k in ("static_decoder", "ort_graph"))
     report = {"atol": cfg.parity_atol, "passed": worst <= cfg.parity_atol and same_tokens, **report}
     write_json_atomic(ctx.work_dir / PARITY_FILE, report)
     if not same_tokens:
-        raise StageError("export_onnx: greedy decoding with decoder_static.onnx chose other tokens than "
+        which = "decoder_static.onnx" if not report.get("static_decoder", {}).get("identical_tokens", True) \
+            else f"{ORT_DIR}/ (FusedEngine)"
+        raise StageError(f"export_onnx: greedy decoding with {which} chose other tokens than "
                          f"PyTorch's full-sequence pass (details in {PARITY_FILE})")
     if not report["passed"]:
         raise StageError(f"export_onnx: ONNX Runtime logits differ from PyTorch by up to "
@@ -440,6 +479,8 @@ def run(ctx: StageContext) -> StageResult:
         "static_decoder_max_abs_diff": report["static_decoder"]["max_abs_diff"] if cfg.static_decoder else None,
         "static_decoder_identical_tokens": report["static_decoder"]["identical_tokens"] if cfg.static_decoder
         else None,
+        "ort_graph_max_abs_diff": report["ort_graph"]["max_abs_diff"] if hf_dir else None,
+        "ort_graph_identical_tokens": report["ort_graph"]["identical_tokens"] if hf_dir else None,
         "export_seconds": round(export_s, 3),
     }
     if template is not None:
@@ -447,6 +488,20 @@ def run(ctx: StageContext) -> StageResult:
         outputs["chat_template"] = TEMPLATE_FILE
         metrics[METRIC] = digest(template)
     return StageResult(outputs=outputs, metrics=metrics)
+
+
+def _ort_graph_source(ctx: StageContext) -> Path | None:
+    """consolidate's hf/ folder when ort/ is to be built (export.ort_graph), else None; a StageError naming
+    the field when it cannot be (no hf/, no builder)."""
+    if not ctx.cfg.export.ort_graph:
+        return None
+    folder, manifest = ctx.inputs["consolidate"]
+    reason = fused.unavailable_reason()
+    if not any(name.startswith("hf/") for name in manifest.outputs):  # a folder output: one entry per file
+        reason = "consolidate wrote no hf/ folder (set consolidate.hf_layout: true)"
+    if reason:
+        raise StageError(f"export.ort_graph: {reason}")
+    return manifest.path(folder, "hf/config.json").parent
 
 
 def _chat_template(ctx: StageContext) -> str | None:

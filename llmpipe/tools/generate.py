@@ -4,7 +4,8 @@
 The run's tokenizer (consolidate's tokenizer.json) and one model variant:
 
     torch   the consolidated weights in PyTorch eager (Transformer.forward_cached)
-    fp32    export_onnx's model.onnx + decoder_static.onnx in onnxruntime
+    fp32    export_onnx's ort/ graph (export.ort_graph: onnxruntime-genai's builder, fused attention over the
+            filled cache) in onnxruntime, else its model.onnx + decoder_static.onnx
     fp16    the benchmark stage's FP16 variants of both graphs (benchmark/variants/fp16/)
     int8    the benchmark stage's dynamic-INT8 variants (benchmark/variants/int8/)
     int4 / int8w / int8s  the benchmark stage's weight-only int4 / int8 (MatMulNBits) and static
@@ -42,6 +43,7 @@ from llmpipe.config import ConfigError
 from llmpipe.errors import UserError
 
 VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
+ORT_GRAPH = "ort_graph/model.onnx"  # export_onnx's ORT-optimised graph (export.ort_graph), fp32 runs it
 MAX_THREADS = 1024  # --threads: above any machine's cores; bounds the threads a typo makes onnxruntime start
 
 
@@ -119,8 +121,9 @@ def _eos_ids(consolidated: Path, tokenizer, vocab_size: int) -> list[int]:
     return [own] if own is not None else []
 
 
-def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
-    """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`."""
+def open_run(run_dir: Path, variant: str, threads: int | None = None, ort_graph: bool = True) -> Loaded:
+    """The tokenizer and a decoding engine of `variant` for the finished run in `run_dir`. `ort_graph`: fp32 runs
+    export_onnx's ort/ graph when there is one (False: the portable graphs, whose StaticEngine serve batches)."""
     import torch
 
     from llmpipe.data.tokenizer import load_tokenizer
@@ -146,6 +149,9 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
     folder, manifest = _stage(run_dir, "export_onnx", "decoder_static",
                               "export it with export.static_decoder: true")
     length = _cache_len(folder, manifest)
+    if variant == "fp32" and ort_graph and ORT_GRAPH in manifest.outputs:
+        return Loaded(_fused_engine(manifest.path(folder, ORT_GRAPH).parent, threads, args, length), tokenizer, eos,
+                      f"onnxruntime fp32, ORT-optimised graph (export_onnx's ort/), KV cache of {length}")
     if variant == "fp32":
         prefill, decoder = manifest.path(folder, "model"), manifest.path(folder, "decoder_static")
     else:
@@ -157,6 +163,25 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None) -> Loaded:
                                 "benchmark.variants?)")
     return Loaded(StaticEngine(*_sessions(prefill, decoder, threads, args, length), args, length), tokenizer, eos,
                   f"onnxruntime {variant}, static KV cache of {length}")
+
+
+def _fused_engine(folder: Path, threads: int | None, args, length: int):
+    """FusedEngine over export_onnx's ort/ graph (llmpipe.export.fused), checked against the model first."""
+    from llmpipe import device
+    from llmpipe.infer.fused import FusedEngine, GraphConfig, graph_problem
+    from llmpipe.infer.ort import create_session
+
+    try:
+        config = GraphConfig.read(folder)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise GenerateError(f"{folder}: unreadable genai_config.json ({type(err).__name__}: {err}); "
+                            "refusing to use it") from None
+    session = create_session(folder / "model.onnx", device.ort_providers(["cpu"])[0], threads)
+    problem = graph_problem(session, config, args)
+    if problem:
+        raise GenerateError(f"{folder / 'model.onnx'}: not the ORT-optimised graph export_onnx makes for this "
+                            f"model: {problem}; refusing to use it")
+    return FusedEngine(session, config, length)
 
 
 def _om_engine(run_dir: Path, args):

@@ -152,7 +152,9 @@ def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, 
     if problem:
         log.warning("serve: serving UNGATED (--allow-ungated): %s", problem)
     template = run_template(run_dir, variant)
-    loaded = open_run(run_dir, variant, threads)
+    # NOTE: the portable graphs: continuous batching needs StaticEngine's rows at their own positions, which
+    # FusedEngine over export_onnx's ort/ (one position for the whole batch) does not have yet
+    loaded = open_run(run_dir, variant, threads, ort_graph=False)
     slots, how = _slots(loaded, max_batch)
     stop_ids, stop_strings = chat_stops(loaded, template) if template is not None else ([], [])
     metrics = Metrics()

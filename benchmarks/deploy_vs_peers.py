@@ -1,0 +1,256 @@
+"""llmpipe's deployment engines against onnxruntime-genai's own, on the same weights.
+
+    python benchmarks/deploy_vs_peers.py [--flavors tiny,small] [--hf FOLDER] [--threads 1] [--repeats 3]
+
+For each flavor (random weights, seeded: timing does not depend on the values; or `--hf`, a run's
+consolidated hf/ folder) the weights are written as consolidate writes hf/, then:
+
+- genai fp32 / genai int4: onnxruntime-genai's model builder (`python -m onnxruntime_genai.models.builder
+  -i hf/ -p fp32|int4 -e cpu`) and onnxruntime-genai's own runtime (og.Generator), greedy;
+- llmpipe fused fp32 / fused int4: the same builder graphs driven by llmpipe.infer.fused.FusedEngine
+  through a plain onnxruntime session (the cache one buffer bound in place);
+- llmpipe static fp32 / static int8: export_onnx's portable graphs (model.onnx + decoder_static.onnx, a
+  --cache slot cache) in StaticEngine, int8 the benchmark stage's dynamic-int8 variant of both;
+- torch: PyTorch eager with its KV cache (TorchEngine), fp32.
+
+Measured, as llmpipe.infer.decode.generate defines them: decode tokens/s (batch * (n - 1) / time after
+the first token: the first token excluded) at batch 1 and 8 from a --decode-prompt prompt, --new-tokens
+tokens; time to first token at prompt 128 and 512 (batch 1). The same prompt ids for every engine, the
+same intra-op threads (--threads; torch.set_num_threads too), greedy. Engines take turns within each
+repeat (the order reversed every other repeat), and the best of --repeats is kept. Greedy tokens are
+compared with PyTorch's at batch 1 (a check that every engine decodes the same model; fp32 engines must
+agree, int8/int4 may drift on random weights, whose logits are close together).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from llmpipe import device  # noqa: E402
+from llmpipe.export import fused  # noqa: E402
+from llmpipe.export.onnx import export_prefill, export_static_decoder  # noqa: E402
+from llmpipe.infer.decode import StaticEngine, TorchEngine, generate  # noqa: E402
+from llmpipe.infer.fused import FusedEngine, GraphConfig  # noqa: E402
+from llmpipe.infer.ort import create_session, quantize_int8  # noqa: E402
+from llmpipe.models.llama import FLAVORS, Transformer  # noqa: E402
+from llmpipe.models.llama.io import load_model  # noqa: E402
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--flavors", default="tiny,small", help="random-weight flavors, comma-separated")
+    p.add_argument("--hf", type=Path, help="a run's consolidated hf/ folder instead of --flavors")
+    p.add_argument("--vocab", type=int, default=4096, help="vocabulary of the random-weight flavors (the demo's)")
+    p.add_argument("--cache", type=int, default=1024, help="cache slots of the static and fused engines")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads of every engine")
+    p.add_argument("--repeats", type=int, default=3, help="best of this many, engines taking turns")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--decode-prompt", type=int, default=128)
+    p.add_argument("--ttft-prompts", default="128,512")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--engines", default="torch,static-fp32,static-int8,fused-fp32,fused-int4,genai-fp32,genai-int4")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    a = p.parse_args(argv)
+    a.ttft_prompts = [int(x) for x in a.ttft_prompts.split(",")]
+    a.batches = [int(x) for x in a.batches.split(",")]
+    a.engines = a.engines.split(",")
+    if max(a.ttft_prompts + [a.decode_prompt]) + a.new_tokens > a.cache:
+        p.error(f"--cache {a.cache}: too small for the longest prompt + --new-tokens")
+    return a
+
+
+class GenaiRunner:
+    """onnxruntime-genai's runtime over a builder folder, timed as decode.generate times an engine."""
+
+    def __init__(self, folder: Path, threads: int):
+        import onnxruntime_genai as og
+
+        self.og = og
+        config = og.Config(str(folder))
+        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
+            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        self.model = og.Model(config)
+
+    def generate(self, ids: np.ndarray, n: int) -> tuple[np.ndarray, float, float | None]:
+        """(tokens (B, n), TTFT s, decode tokens/s with the first token excluded)."""
+        B, T = ids.shape
+        params = self.og.GeneratorParams(self.model)
+        # NOTE: min_length: eos is never picked, so every engine decodes the same n tokens (genai would stop
+        # at eos, which random weights pick now and then, and time nothing after it)
+        params.set_search_options(do_sample=False, max_length=T + n, min_length=T + n, batch_size=B)
+        gen = self.og.Generator(self.model, params)
+        t0 = time.perf_counter()
+        gen.append_tokens(ids.astype(np.int32))  # the prompt pass
+        gen.generate_next_token()  # picks the first token
+        out = [gen.get_next_tokens()]
+        ttft = time.perf_counter() - t0
+        for _ in range(n - 1):
+            if gen.is_done():
+                raise RuntimeError("onnxruntime-genai stopped before max_length")
+            gen.generate_next_token()  # one step over the last token, then the pick
+            out.append(gen.get_next_tokens())
+        spent = time.perf_counter() - t0 - ttft
+        return np.stack(out, axis=1), ttft, (B * (n - 1) / spent if n > 1 else None)
+
+
+class EngineRunner:
+    """An llmpipe engine (start/step) timed by decode.generate, greedy."""
+
+    def __init__(self, make: Callable[[], object]):
+        self.engine = make()
+
+    def generate(self, ids: np.ndarray, n: int) -> tuple[np.ndarray, float, float | None]:
+        g = generate(self.engine, ids, n)
+        return g.tokens, g.ttft_s, g.decode_tokens_per_s()
+
+
+def model_for(flavor: str, a: argparse.Namespace, folder: Path) -> tuple[Transformer, Path]:
+    """(fp32 model, its hf/ folder)."""
+    if a.hf:
+        return load_model(a.hf.parent, dtype=torch.float32), a.hf
+    from llmpipe.data.tokenizer import train_tokenizer
+
+    base = FLAVORS[flavor]
+    args = replace(base, vocab_size=a.vocab, max_seq_len=max(base.max_seq_len, a.cache))
+    model = Transformer(args)
+    model.init_weights(seed=0)
+    docs = [p.read_text() for p in sorted(Path(json.__file__).parent.glob("*.py"))]
+    return model.eval(), fused.write_hf_folder(model, folder / "hf", train_tokenizer(docs, 512))
+
+
+def runners(model: Transformer, hf: Path, a: argparse.Namespace, folder: Path) -> dict[str, object]:
+    cpu = device.ort_providers(["cpu"])[0]
+    out: dict[str, object] = {}
+    if "torch" in a.engines:
+        out["torch"] = EngineRunner(lambda: TorchEngine(model))
+    static = [e for e in a.engines if e.startswith("static-")]
+    if static:
+        export_prefill(model, folder / "model.onnx", opset=17)
+        export_static_decoder(model, folder / "decoder_static.onnx", opset=17, length=a.cache)
+        for name in static:
+            prefill, decoder = folder / "model.onnx", folder / "decoder_static.onnx"
+            if name == "static-int8":
+                (folder / "int8").mkdir(exist_ok=True)
+                quantize_int8(prefill, folder / "int8" / "model.onnx")
+                quantize_int8(decoder, folder / "int8" / "decoder_static.onnx")
+                prefill, decoder = folder / "int8" / "model.onnx", folder / "int8" / "decoder_static.onnx"
+            out[name] = EngineRunner(lambda p=prefill, d=decoder: StaticEngine(
+                create_session(p, cpu, a.threads), create_session(d, cpu, a.threads), model.args, a.cache))
+    for precision in fused.PRECISIONS:
+        wanted = [e for e in (f"fused-{precision}", f"genai-{precision}") if e in a.engines]
+        if not wanted:
+            continue
+        t0 = time.perf_counter()
+        built = fused.build(hf, folder / f"genai-{precision}", precision).parent
+        print(f"  builder {precision}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        if f"fused-{precision}" in wanted:
+            out[f"fused-{precision}"] = EngineRunner(lambda b=built: FusedEngine(
+                create_session(b / "model.onnx", cpu, a.threads), GraphConfig.read(b), a.cache))
+        if f"genai-{precision}" in wanted:
+            out[f"genai-{precision}"] = GenaiRunner(built, a.threads)
+    return {name: out[name] for name in a.engines if name in out}
+
+
+def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
+    model, hf = model_for(flavor, a, folder)
+    eng = runners(model, hf, a, folder)
+    vocab = model.args.vocab_size
+    rng = np.random.default_rng(0)
+    decode_ids = {b: rng.integers(0, vocab, (b, a.decode_prompt)) for b in a.batches}
+    ttft_ids = {t: rng.integers(0, vocab, (1, t)) for t in a.ttft_prompts}
+    reference = eng["torch"].generate(decode_ids[1], a.new_tokens)[0] if "torch" in eng else None
+    for r in eng.values():  # warm-up: every shape once
+        for b in a.batches:
+            r.generate(decode_ids[b], 4)
+        for t in a.ttft_prompts:
+            r.generate(ttft_ids[t], 1)
+    best = {name: {**{f"decode_b{b}": 0.0 for b in a.batches}, **{f"ttft_{t}": float("inf") for t in a.ttft_prompts}}
+            for name in eng}
+    agree = {}
+    for rep in range(a.repeats):
+        order = list(eng) if rep % 2 == 0 else list(reversed(eng))
+        for b in a.batches:
+            for name in order:
+                tokens, _, tps = eng[name].generate(decode_ids[b], a.new_tokens)
+                best[name][f"decode_b{b}"] = max(best[name][f"decode_b{b}"], tps)
+                if b == 1 and reference is not None:
+                    agree[name] = float((tokens == reference).mean())
+        for t in a.ttft_prompts:
+            for name in order:
+                best[name][f"ttft_{t}"] = min(best[name][f"ttft_{t}"], eng[name].generate(ttft_ids[t], 1)[1])
+        print(f"  {flavor} repeat {rep}: " + ", ".join(f"{n} {best[n]['decode_b1']:.0f} tok/s" for n in eng),
+              file=sys.stderr, flush=True)
+    return {"params": model.args.num_params(), "best": best, "greedy_agreement_with_torch": agree}
+
+
+def _ratio(res: dict, num: str, den: str, key: str, invert: bool = False) -> str:
+    b = res["best"]
+    if num not in b or den not in b:
+        return "-"
+    x, y = b[num][key], b[den][key]
+    return f"{(y / x if invert else x / y):.2f}"
+
+
+def report(results: dict, a: argparse.Namespace) -> None:
+    keys = [f"decode_b{b}" for b in a.batches] + [f"ttft_{t}" for t in a.ttft_prompts]
+    print(f"\nonnxruntime CPU, {a.threads} thread(s), greedy, best of {a.repeats} (engines taking turns); decode: "
+          f"tokens/s after the first token, prompt {a.decode_prompt}, {a.new_tokens} new tokens; TTFT: ms, batch 1\n")
+    print("| flavor | engine | " + " | ".join(k.replace("decode_b", "decode tok/s b").replace("ttft_", "TTFT ms p")
+                                          for k in keys) + " | greedy = torch |")
+    print("|---|---|" + "---|" * len(keys) + "---|")
+    for flavor, res in results.items():
+        for name, best in res["best"].items():
+            cells = " | ".join(f"{best[k]:.1f}" if k.startswith("decode") else f"{1e3 * best[k]:.1f}" for k in keys)
+            agree = res["greedy_agreement_with_torch"].get(name)
+            print(f"| {flavor} ({res['params'] / 1e6:.1f}M) | {name} | {cells} | "
+                  f"{'-' if agree is None else f'{agree:.0%}'} |")
+    print("\nratios (decode: llmpipe / peer, higher is better; TTFT: llmpipe / peer, lower is better):")
+    for flavor, res in results.items():
+        parts = []
+        for b in a.batches:
+            parts.append(f"fused-int4/genai-int4 b{b} {_ratio(res, 'fused-int4', 'genai-int4', f'decode_b{b}')}")
+            parts.append(f"static-int8/genai-int4 b{b} {_ratio(res, 'static-int8', 'genai-int4', f'decode_b{b}')}")
+            parts.append(f"fused-fp32/genai-fp32 b{b} {_ratio(res, 'fused-fp32', 'genai-fp32', f'decode_b{b}')}")
+            parts.append(f"static-fp32/genai-fp32 b{b} {_ratio(res, 'static-fp32', 'genai-fp32', f'decode_b{b}')}")
+            parts.append(f"fused-fp32/torch b{b} {_ratio(res, 'fused-fp32', 'torch', f'decode_b{b}')}")
+            parts.append(f"static-fp32/torch b{b} {_ratio(res, 'static-fp32', 'torch', f'decode_b{b}')}")
+        for t in a.ttft_prompts:
+            parts.append(f"TTFT p{t} fused-fp32/genai-fp32 {_ratio(res, 'fused-fp32', 'genai-fp32', f'ttft_{t}')}")
+            parts.append(f"TTFT p{t} static-fp32/genai-fp32 {_ratio(res, 'static-fp32', 'genai-fp32', f'ttft_{t}')}")
+        print(f"  {flavor}:\n    " + "\n    ".join(parts))
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    reason = fused.unavailable_reason()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 1
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="llmpipe-deploy-peers-") as tmp:
+        for flavor in ([a.hf.name] if a.hf else a.flavors.split(",")):
+            folder = Path(tmp) / flavor
+            folder.mkdir()
+            results[flavor] = measure(flavor, a, folder)
+    report(results, a)
+    if a.json:
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results},
+                                     indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

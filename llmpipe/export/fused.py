@@ -1,0 +1,95 @@
+"""onnxruntime's own graph of a model: onnxruntime-genai's model builder run on consolidate's hf/ folder.
+
+The portable graphs (model.onnx, decoder_static.onnx) stay what ATC needs: standard ops, static
+shapes, attention over the whole cache. For onnxruntime, `build` writes a graph of its own with
+`python -m onnxruntime_genai.models.builder -i hf/ -o <folder> -p <precision> -e cpu`: one graph for the
+prompt and each step, made of onnxruntime's contrib ops (GroupQueryAttention over the filled slots with
+the rotary embedding inside, SkipSimplifiedLayerNormalization, MatMulNBits at int4), the cache one
+buffer shared by past and present. llmpipe.infer.fused.FusedEngine drives it through a plain
+onnxruntime session (no genai runtime), so llmpipe's gates, generate and benchmark see the usual engine.
+
+Why the builder and not onnxruntime's transformer optimizer on llmpipe's own export: on decoder_ort.onnx
+(debug flavor, model_type gpt2 or bert) the optimizer fuses the RMSNorms (1 SimplifiedLayerNormalization,
+4 SkipSimplifiedLayerNormalization) but no attention and no rotary embedding (0 Attention,
+MultiHeadAttention, GroupQueryAttention, RotaryEmbedding): its attention patterns are those of the graphs
+torch's exporters make for Hugging Face models. The builder writes the fused graph directly and is what
+onnxruntime-genai itself runs, so benchmarks/deploy_vs_peers.py measures llmpipe's engine on the same graph.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from llmpipe.errors import StageError
+
+PRECISIONS = ("fp32", "int4")
+BUILDER = "onnxruntime_genai.models.builder"
+
+
+def unavailable_reason() -> str | None:
+    """Why the builder cannot run here (its package or transformers missing), or None."""
+    for module in ("onnxruntime_genai", "transformers", "onnx_ir"):
+        if importlib.util.find_spec(module) is None:
+            return f"the Python package {module} is not installed (pip install onnxruntime-genai transformers)"
+    return None
+
+
+def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", timeout_s: float = 3600) -> Path:
+    """The builder's graph of the Hugging Face folder `hf_dir` at `precision` for onnxruntime's CPU
+    provider, in `out_dir` (written beside it first, then moved: never half there). Returns out_dir/model.onnx."""
+    if precision not in PRECISIONS:
+        raise StageError(f"ORT-optimised graph: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    reason = unavailable_reason()
+    if reason:
+        raise StageError(f"ORT-optimised graph: {reason}")
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    log_path = tmp.with_name(out_dir.name + ".builder.log")
+    argv = [sys.executable, "-m", BUILDER, "-i", str(hf_dir), "-o", str(tmp), "-p", precision, "-e", "cpu",
+            "-c", str(tmp / "cache")]
+    with open(log_path, "wb") as out:
+        try:
+            # offline: the folder is local, and nothing (a tokenizer, a config) is to be fetched from a hub
+            env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+            done = subprocess.run(argv, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s, check=False, env=env)
+        except subprocess.TimeoutExpired:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise StageError(f"ORT-optimised graph: the builder ran past {timeout_s:.0f}s (log: {log_path})") from None
+    if done.returncode != 0 or not (tmp / "model.onnx").is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["no output"]
+        raise StageError(f"ORT-optimised graph: the builder exited {done.returncode}: {tail[0]} (log: {log_path})")
+    shutil.rmtree(tmp / "cache", ignore_errors=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    log_path.unlink(missing_ok=True)
+    return out_dir / "model.onnx"
+
+
+def write_hf_folder(model, folder: Path, tokenizer, eos_token: str = "<|endoftext|>") -> Path:
+    """A Hugging Face folder of an in-memory llmpipe model, as consolidate writes hf/ (config.json,
+    model.safetensors, tokenizer.json and its config files): what the builder reads. For benchmarks and
+    tests of random-weight flavors; a run's own hf/ comes from consolidate."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from llmpipe.models.llama import hf
+    from llmpipe.models.llama.hf_files import hf_files, write_hf_files
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    params = dict(model.named_parameters())
+    save_file({hf.to_hf_name(k): v.detach().contiguous() for k, v in params.items()}, folder / "model.safetensors")
+    eos = tokenizer.token_to_id(eos_token)
+    (folder / "config.json").write_text(json.dumps(hf.hf_config(model.args, "fp32", eos), indent=2) + "\n")
+    tokenizer.save(str(folder / "tokenizer.json"))
+    write_hf_files(folder, hf_files(tokenizer, eos_token, model.args.max_seq_len))
+    return folder

@@ -1,0 +1,168 @@
+"""FusedEngine: onnxruntime's own graph of the model, the one onnxruntime-genai's model builder writes.
+
+The builder (`python -m onnxruntime_genai.models.builder`, run on consolidate's hf/ folder by
+llmpipe.export.fused) writes one graph for the prompt and for each step, made of onnxruntime's fused
+contrib ops: GroupQueryAttention (rotary embedding inside it, attention over each row's filled slots
+only), SkipSimplifiedLayerNormalization (residual add + RMSNorm), MatMulNBits for its int4 precision.
+Its inputs are `input_ids` (B, S), `attention_mask` (B, filled + S) int64, optionally `position_ids`
+(B, S), and per layer `past_key_values.{i}.key/value`; its outputs `logits` (B, S or 1, vocab) and
+`present.{i}.key/value`.
+
+With `past_present_share_buffer` (genai_config.json; GroupQueryAttention graphs) the past and present
+of a layer are one buffer of `cache_len` slots: the engine allocates it once per batch size and binds it
+as both input and output (I/O binding), so the graph writes each step's keys/values into their slots in
+place, and GroupQueryAttention reads only the slots the mask says are filled: per-token cost follows the
+tokens in the cache, not its capacity, and no step copies the cache. Without it (an older builder, or an
+attention op that concatenates), each step's present is fed back as the next past without leaving
+onnxruntime (OrtValues, never numpy).
+
+The engine interface is decode.py's: `start(ids)` -> the last position's logits (B, vocab), `step(tokens)`
+-> the next logits; `capacity` the tokens the cache holds.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from llmpipe.infer.decode import CapacityError
+
+GENAI_CONFIG = "genai_config.json"
+PAST, PRESENT = "past_key_values.", "present."
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """What the engine needs from the builder's genai_config.json."""
+
+    kv_heads: int
+    head_dim: int
+    context: int  # the model's context length (RoPE tables end there)
+    shared: bool  # past and present caches are one buffer
+
+    @classmethod
+    def read(cls, folder: Path) -> GraphConfig:
+        config = json.loads((Path(folder) / GENAI_CONFIG).read_text(encoding="utf-8"))
+        decoder = config["model"]["decoder"]
+        return cls(int(decoder["num_key_value_heads"]), int(decoder["head_size"]),
+                   int(config["model"]["context_length"]), bool(config["search"].get("past_present_share_buffer")))
+
+
+def graph_problem(session: ort.InferenceSession, config: GraphConfig, args) -> str | None:
+    """Why `session` is not the builder's graph of a model of `args` (ModelArgs) as FusedEngine drives it, or None."""
+    inputs = {i.name: i for i in session.get_inputs()}
+    outputs = {o.name: o for o in session.get_outputs()}
+    caches = [f"{PAST}{i}.{part}" for i in range(args.n_layers) for part in ("key", "value")]
+    missing = [n for n in ["input_ids", "attention_mask", *caches] if n not in inputs]
+    if missing:
+        return f"no input {missing[0]!r}"
+    extra = [n for n in inputs if n not in {"input_ids", "attention_mask", "position_ids", *caches}]
+    if extra:
+        return f"an unexpected input {extra[0]!r}"
+    missing = [n for n in ["logits", *[PRESENT + c.removeprefix(PAST) for c in caches]] if n not in outputs]
+    if missing:
+        return f"no output {missing[0]!r}"
+    vocab = outputs["logits"].shape[-1]
+    if vocab != args.vocab_size:
+        return f"output 'logits' has {vocab} on its last axis, expected {args.vocab_size}"
+    if (config.kv_heads, config.head_dim) != (args.n_kv_heads, args.head_dim):
+        return (f"genai_config.json says {config.kv_heads} kv heads of {config.head_dim}, expected "
+                f"{args.n_kv_heads} of {args.head_dim}")
+    return None
+
+
+class FusedEngine:
+    """Drives the builder's graph through a plain onnxruntime session (see the module docstring). Every
+    row of a batch holds the same number of tokens (the prompts are as long as each other)."""
+
+    def __init__(self, session: ort.InferenceSession, config: GraphConfig, cache_len: int):
+        if not config.shared:
+            raise ValueError("the graph's past and present caches are not one buffer (genai_config.json: "
+                             "past_present_share_buffer false); FusedEngine binds one buffer as both")
+        self.session, self.capacity = session, min(cache_len, config.context)
+        inputs = {i.name: i for i in session.get_inputs()}
+        self._past = [n for n in inputs if n.startswith(PAST)]
+        self._present = [PRESENT + n.removeprefix(PAST) for n in self._past]
+        self._positions = "position_ids" in inputs
+        self._kv_heads, self._head_dim = config.kv_heads, config.head_dim
+        self._vocab = int(session.get_outputs()[0].shape[-1])
+        self._state: dict[int, _State] = {}  # batch -> its cache buffers and step arrays, bound once
+        self._now: _State | None = None
+        self.pos = 0
+
+    def _bound(self, batch: int) -> _State:
+        """The batch's state: per layer one cache buffer (B, kv_heads, cache_len, head_dim) bound as the
+        past input and the present output (written in place), and the step's arrays bound by address."""
+        if batch in self._state:
+            return self._state[batch]
+        state = _State(self.session.io_binding(), np.zeros((batch, 1), np.int64), np.zeros((batch, 1), np.int64),
+                       np.ones(batch * self.capacity, np.int64), np.zeros((batch, 1, self._vocab), np.float32),
+                       [ort.OrtValue.ortvalue_from_shape_and_type(
+                           (batch, self._kv_heads, self.capacity, self._head_dim), np.float32) for _ in self._past])
+        state.binding.bind_output("logits")  # first: get_outputs() lists outputs in the order they were bound
+        for past, present, buf in zip(self._past, self._present, state.buffers):
+            state.binding.bind_ortvalue_input(past, buf)
+            state.binding.bind_ortvalue_output(present, buf)  # the same memory: written in place
+        self._state[batch] = state
+        return state
+
+    def _bind_array(self, name: str, array: np.ndarray, output: bool = False) -> None:
+        """Bind `array` by address (no copy, no OrtValue): onnxruntime reads or writes it in place."""
+        bind = self._now.binding.bind_output if output else self._now.binding.bind_input
+        bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+    def _mask(self, width: int) -> None:
+        # NOTE: every slot of every row is filled, so the first B * width of a flat buffer of ones is the
+        # (B, width) mask, contiguous: bound by address, nothing written per step.
+        B = self._now.ids.shape[0]
+        self._bind_array("attention_mask", self._now.ones[:B * width].reshape(B, width))
+
+    def start(self, ids: np.ndarray) -> np.ndarray:
+        B, T = ids.shape
+        if T >= self.capacity:
+            raise CapacityError(f"prompt of {T} tokens does not fit the engine's cache of {self.capacity}")
+        self._now, self.pos = self._bound(B), 0
+        binding = self._now.binding
+        prompt = np.ascontiguousarray(ids, dtype=np.int64)
+        self._bind_array("input_ids", prompt)
+        if self._positions:
+            positions = np.tile(np.arange(T, dtype=np.int64), (B, 1))
+            self._bind_array("position_ids", positions)
+        self._mask(T)
+        binding.bind_output("logits")  # (B, T, vocab): onnxruntime allocates it
+        self.session.run_with_iobinding(binding)
+        logits = np.array(binding.get_outputs()[0].numpy()[:, -1])  # (B, vocab)
+        # the steps' arrays: bound once here, rewritten in place by each step
+        self._bind_array("input_ids", self._now.ids)
+        if self._positions:
+            self._bind_array("position_ids", self._now.positions)
+        self._bind_array("logits", self._now.logits, output=True)
+        self.pos = T
+        return logits
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        state = self._now
+        if state is None:
+            raise RuntimeError("step() before start()")
+        if self.pos >= self.capacity:
+            raise CapacityError(f"the engine's cache of {self.capacity} slots is full")
+        state.ids[:, 0] = tokens.reshape(-1)
+        state.positions[:] = self.pos
+        self._mask(self.pos + 1)
+        self.session.run_with_iobinding(state.binding)
+        self.pos += 1
+        return state.logits[:, 0].copy()  # (B, vocab); the buffer is the next step's output
+
+
+@dataclass
+class _State:
+    binding: ort.IOBinding
+    ids: np.ndarray  # (B, 1) the step's tokens
+    positions: np.ndarray  # (B, 1)
+    ones: np.ndarray  # (B * cache_len,) the masks' memory
+    logits: np.ndarray  # (B, 1, vocab) the step's output
+    buffers: list[ort.OrtValue]  # per layer key, value: (B, kv_heads, cache_len, head_dim)
