@@ -40,7 +40,8 @@ CHOICE, PPL, CHAT_QA = "llmpipe_choice", "llmpipe_ppl", "llmpipe_chat_qa"
 MAX_YAML_BYTES = 1 << 20
 MAX_QUESTIONS_BYTES = 64 << 20
 MAX_ITEMS = 400  # items written per local task (evaluate.limit picks the first ones)
-MAX_DOC_CHARS = 4000  # llmpipe_ppl: each validation document cut to this many characters
+MAX_DOC_CHARS = 2000  # llmpipe_ppl: each validation document cut to this many characters
+CONTEXT_TOKENS = 96  # llmpipe_choice: the context's tokens at most (each choice is scored after it)
 
 
 class EvalTaskError(UserError):
@@ -223,14 +224,15 @@ def _good(line: str) -> bool:
 
 
 def choice_records(docs: list[str], tokenizer, n_choices: int, seed: int, max_tokens: int) -> list[dict]:
-    """llmpipe_choice's items: a context of whole lines (at most max_tokens // 2 tokens) ending with a newline,
+    """llmpipe_choice's items: a context of whole lines (at most CONTEXT_TOKENS, and half of max_tokens) ending
+    with a newline,
     the document's true next line and n_choices - 1 lines of other documents, shuffled (`label`: the true one)."""
     rng = random.Random(seed)
     lines = [d.split("\n") for d in docs]
     pool = [(j, ln) for j, doc in enumerate(lines) for ln in doc if _good(ln)]
     candidates = [(j, i) for j, doc in enumerate(lines) for i in range(1, len(doc)) if _good(doc[i])]
     rng.shuffle(candidates)
-    budget = max(8, max_tokens // 2)
+    budget = max(8, min(CONTEXT_TOKENS, max_tokens // 2))
     items = []
     for j, i in candidates:
         if len(items) >= MAX_ITEMS:

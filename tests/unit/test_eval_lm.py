@@ -113,8 +113,46 @@ def test_a_local_choice_task_scores_the_same_through_both_within_its_stderr(made
     local = eval_tasks.build_local(tmp_path / "tasks", [eval_tasks.CHOICE, eval_tasks.PPL], docs=docs,
                                    tokenizer=made[1], cfg=cfg, max_tokens=ARGS.max_seq_len)
     specs = [eval_tasks.task_config(p) for p in local.values()]
-    runs = [simple_evaluate(model=lm, tasks=specs, task_manager=TaskManager(include_defaults=False), limit=20,
-                            log_samples=False, bootstrap_iters=100)["results"] for lm in (_engine_lm(made), _hflm(made))]
+    manager = TaskManager(include_defaults=False)
+    runs = [simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=20, log_samples=False,
+                            bootstrap_iters=100)["results"] for lm in (_engine_lm(made), _hflm(made))]
     ours, theirs = (r[eval_tasks.CHOICE] for r in runs)
     assert abs(ours["acc,none"] - theirs["acc,none"]) <= theirs["acc_stderr,none"]
     assert abs(runs[0][eval_tasks.PPL]["bits_per_byte,none"] - runs[1][eval_tasks.PPL]["bits_per_byte,none"]) <= 1e-5
+
+
+ARC = [{"id": f"q{i}", "question": q, "choices": {"text": c, "label": ["A", "B", "C", "D"]}, "answerKey": k}
+       for i, (q, c, k) in enumerate([
+           ("Which is a function?", ["def add", "class Point", "self.x", "return"], "A"),
+           ("Which defines a class?", ["def norm", "class Point:", "x = 1", "a + b"], "B"),
+           ("What does add return?", ["a - b", "a * b", "a + b", "b"], "C"),
+           ("What is stored in self.y?", ["x", "a", "b", "y"], "D")])]
+
+
+def test_a_standard_task_s_yaml_runs_offline_on_a_local_copy_of_a_few_of_its_records(made, tmp_path):
+    """lm_eval's own arc_easy.yaml, its dataset swapped for four ARC-Easy-shaped records written here (what a
+    user with the dataset on disk gets): the wrapper and HFLM score each item alike."""
+    import yaml
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from llmpipe.eval.stage import check_tasks, offline
+
+    offline()
+    shipped = Path(lm_eval.__file__).parent / "tasks" / "arc" / "arc_easy.yaml"
+    (tmp_path / "arc.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ARC))
+    task = {k: v for k, v in yaml.safe_load(shipped.read_text()).items() if k not in ("dataset_name", "tag")}
+    task.update(dataset_path="json", dataset_kwargs={"data_files": {"test": "arc.jsonl"}}, training_split=None,
+                validation_split=None)
+    (tmp_path / "arc_easy_local.yaml").write_text(yaml.safe_dump(task))
+    cfg = make_cfg(tmp_path, check="fields", evaluate={"tasks": [str(tmp_path / "arc_easy_local.yaml")]})
+    plan = eval_tasks.plan(cfg, root=tmp_path)
+    specs = [eval_tasks.task_config(p, eval_tasks.read_task_yaml(p, [tmp_path])) for p in plan.yamls.values()]
+    manager = TaskManager(include_defaults=False)
+    check_tasks(specs, manager)
+    runs = [simple_evaluate(model=lm, tasks=specs, task_manager=manager, log_samples=True,
+                            bootstrap_iters=10) for lm in (_engine_lm(made), _hflm(made))]
+    ours, theirs = ([s["acc"] for s in r["samples"]["arc_easy"]] for r in runs)
+    assert len(ours) == 4 and ours == theirs
+    lls = [[np.array([x[0] for x in s["filtered_resps"]]) for s in r["samples"]["arc_easy"]] for r in runs]
+    assert max(np.abs(a - b).max() for a, b in zip(*lls)) <= 1e-4
