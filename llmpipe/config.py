@@ -605,9 +605,11 @@ def _eval_gate(name: str, drop: float) -> Any:
     })
 
 
-# Defaults from measurement on the demo (README "Evaluation"): fp32 and fp16 moved no score (0.000), int8 moved
-# the continuation accuracy by at most one item in a hundred; each limit is about twice the larger stderr.
-Fp32EvalGate, Fp16EvalGate, Int8EvalGate = _eval_gate("fp32", 0.02), _eval_gate("fp16", 0.02), _eval_gate("int8", 0.05)
+# Defaults from measurement on the demo (README "Evaluation", 40 items per task): fp32, fp16 and int8 scored the
+# reference's llmpipe_choice accuracy exactly (stderr 0.076), and moved bits per byte by 0.0000, 0.0000 and
+# -0.0007 (+0.0002 on another training of the same config). One item of 40 is 0.025: fp32 and fp16 may lose one
+# (a near-tie flipped by rounding), int8 two; every limit is far above the bits-per-byte movement seen.
+Fp32EvalGate, Fp16EvalGate, Int8EvalGate = _eval_gate("fp32", 0.03), _eval_gate("fp16", 0.03), _eval_gate("int8", 0.06)
 
 
 class EvalGatesSection(Section):

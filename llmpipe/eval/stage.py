@@ -18,6 +18,7 @@ refuses it).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -96,6 +97,26 @@ def _dataset_of(manager, name: str) -> str | None:
     except OSError:
         return None
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("dataset_path:")), None)
+
+
+@contextlib.contextmanager
+def env_info_once():
+    """lm_eval adds the environment (torch's collect_env: seconds of subprocesses) to every model's output; in
+    one stage it is the same for every model, so it is collected once and the same record given to each."""
+    import lm_eval.evaluator as evaluator
+
+    collect, seen = evaluator.add_env_info, {}
+
+    def once(storage: dict) -> None:
+        if not seen:
+            collect(seen)
+        storage.update(seen)
+
+    evaluator.add_env_info = once
+    try:
+        yield
+    finally:
+        evaluator.add_env_info = collect
 
 
 def evaluate(lm, specs: list, manager, e) -> dict[str, Any]:
@@ -396,9 +417,10 @@ def run(ctx: StageContext) -> StageResult:
         models.append((name, lambda n=name: engine_lm(ctx, n, args, tokenizer, eos, prefix, stop_ids, e, threads)))
 
     outputs: dict[str, dict] = {}
-    for name, opener in models:
-        log.info("evaluate: %s on %s", name, ", ".join(s if isinstance(s, str) else s["task"] for s in specs))
-        outputs[name] = evaluate(opener(), specs, manager, e)
+    with env_info_once():
+        for name, opener in models:
+            log.info("evaluate: %s on %s", name, ", ".join(s if isinstance(s, str) else s["task"] for s in specs))
+            outputs[name] = evaluate(opener(), specs, manager, e)
     summary, failures, rejected = judge(outputs, e)
     if failures and e.enforce:
         raise StageError(f"evaluate: {failures[0]}" + (f" (and {len(failures) - 1} more)" if len(failures) > 1

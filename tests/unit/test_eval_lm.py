@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from llmpipe import device
 from llmpipe.eval import tasks as eval_tasks
 from llmpipe.eval.lm import EngineLM, ort_logits
+from llmpipe.eval.stage import env_info_once
 from llmpipe.export import onnx as export
 from llmpipe.infer.decode import StaticEngine
 from llmpipe.infer.ort import create_session
@@ -114,8 +115,9 @@ def test_a_local_choice_task_scores_the_same_through_both_within_its_stderr(made
                                    tokenizer=made[1], cfg=cfg, max_tokens=ARGS.max_seq_len)
     specs = [eval_tasks.task_config(p) for p in local.values()]
     manager = TaskManager(include_defaults=False)
-    runs = [simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=20, log_samples=False,
-                            bootstrap_iters=100)["results"] for lm in (_engine_lm(made), _hflm(made))]
+    with env_info_once():  # torch's collect_env once, not per model
+        runs = [simple_evaluate(model=lm, tasks=specs, task_manager=manager, limit=20, log_samples=False,
+                                bootstrap_iters=100)["results"] for lm in (_engine_lm(made), _hflm(made))]
     ours, theirs = (r[eval_tasks.CHOICE] for r in runs)
     assert abs(ours["acc,none"] - theirs["acc,none"]) <= theirs["acc_stderr,none"]
     assert abs(runs[0][eval_tasks.PPL]["bits_per_byte,none"] - runs[1][eval_tasks.PPL]["bits_per_byte,none"]) <= 1e-5
@@ -150,9 +152,41 @@ def test_a_standard_task_s_yaml_runs_offline_on_a_local_copy_of_a_few_of_its_rec
     specs = [eval_tasks.task_config(p, eval_tasks.read_task_yaml(p, [tmp_path])) for p in plan.yamls.values()]
     manager = TaskManager(include_defaults=False)
     check_tasks(specs, manager)
-    runs = [simple_evaluate(model=lm, tasks=specs, task_manager=manager, log_samples=True,
-                            bootstrap_iters=10) for lm in (_engine_lm(made), _hflm(made))]
+    with env_info_once():
+        runs = [simple_evaluate(model=lm, tasks=specs, task_manager=manager, log_samples=True,
+                                bootstrap_iters=10) for lm in (_engine_lm(made), _hflm(made))]
     ours, theirs = ([s["acc"] for s in r["samples"]["arc_easy"]] for r in runs)
     assert len(ours) == 4 and ours == theirs
     lls = [[np.array([x[0] for x in s["filtered_resps"]]) for s in r["samples"]["arc_easy"]] for r in runs]
     assert max(np.abs(a - b).max() for a, b in zip(*lls)) <= 1e-4
+
+
+def test_the_chat_task_asks_each_held_out_question_in_the_template_and_both_models_answer_alike(made, tmp_path):
+    """llmpipe_chat_qa from held-out conversations: the prompt is the template's rendering up to the assistant's
+    turn, generation stops at its end of turn; the wrapper's answers are HFLM's, and so is the exact match."""
+    from lm_eval.evaluator import simple_evaluate
+    from lm_eval.tasks import TaskManager
+
+    from llmpipe.chat.synth import make_conversations
+    from llmpipe.chat.template import builtin_template
+
+    _, held_out = make_conversations(seed=0, n_arithmetic=40, n_words=4)
+    questions = tmp_path / "val.jsonl"
+    questions.write_text("".join(json.dumps(c) + "\n" for c in held_out[:3]))
+    tpl = builtin_template("chatml")
+    render = lambda messages: tpl.render(messages, add_generation_prompt=True, bos_token="", eos_token="<|endoftext|>")
+    cfg = make_cfg(tmp_path, check="fields", evaluate={"chat_questions": str(questions), "max_gen_tokens": 6})
+    local = eval_tasks.build_local(tmp_path / "tasks", [eval_tasks.CHAT_QA], docs=[], tokenizer=made[1], cfg=cfg,
+                                   max_tokens=ARGS.max_seq_len, chat=(render, tpl.end_of_turn))
+    records = [json.loads(x) for x in (tmp_path / "tasks" / "llmpipe_chat_qa.jsonl").read_text().splitlines()]
+    assert records[0]["prompt"].endswith("<|im_start|>assistant\n") and records[0]["answer"].endswith(".")
+    spec = eval_tasks.task_config(local[eval_tasks.CHAT_QA])
+    assert spec["generation_kwargs"]["until"] == tpl.end_of_turn
+    manager = TaskManager(include_defaults=False)
+    with env_info_once():
+        runs = [simple_evaluate(model=lm, tasks=[spec], task_manager=manager, log_samples=True, bootstrap_iters=10)
+                for lm in (_engine_lm(made), _hflm(made))]
+    ours, theirs = ([s["resps"] for s in r["samples"][eval_tasks.CHAT_QA]] for r in runs)
+    assert len(ours) == 3 and ours == theirs
+    assert runs[0]["results"][eval_tasks.CHAT_QA]["exact_match,strip"] == \
+        runs[1]["results"][eval_tasks.CHAT_QA]["exact_match,strip"]
