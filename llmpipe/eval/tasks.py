@@ -260,6 +260,36 @@ def choice_records(docs: list[str], tokenizer, n_choices: int, seed: int, max_to
     return items
 
 
+SPAN_WORDS = 6  # llmpipe_choice on text without line breaks: the answer and each distractor, in words
+
+
+def span_records(docs: list[str], tokenizer, n_choices: int, seed: int, max_tokens: int) -> list[dict]:
+    """llmpipe_choice's items for text without usable lines: a context of words, the document's next
+    SPAN_WORDS words against spans of as many words from other documents."""
+    rng = random.Random(seed)
+    words = [d.split() for d in docs]
+    budget = max(8, min(CONTEXT_TOKENS, max_tokens // 2))
+    spans = [(j, " " + " ".join(w[k:k + SPAN_WORDS])) for j, w in enumerate(words)
+             for k in range(1, max(1, len(w) - SPAN_WORDS), SPAN_WORDS)]
+    items = []
+    for j in rng.sample(range(len(words)), len(words)) * 8:
+        w = words[j]
+        if len(items) >= MAX_ITEMS or len(w) < 2 * SPAN_WORDS:
+            continue
+        k = rng.randrange(SPAN_WORDS, len(w) - SPAN_WORDS + 1)
+        start = k
+        while start > 0 and len(tokenizer.encode(" ".join(w[start - 1:k])).ids) <= budget:
+            start -= 1
+        answer = " " + " ".join(w[k:k + SPAN_WORDS])
+        others = list(dict.fromkeys(t for o, t in spans if o != j and t != answer))
+        if k - start < 1 or len(others) < n_choices - 1:
+            continue
+        choices = [answer, *rng.sample(others, n_choices - 1)]
+        rng.shuffle(choices)
+        items.append({"context": " ".join(w[start:k]), "choices": choices, "label": choices.index(answer)})
+    return items
+
+
 def validation_docs(val_bin: Path, tokenizer, limit: int = MAX_ITEMS) -> list[str]:
     """The validation split's documents as text (decoded), at most `limit`, in shard order."""
     from llmpipe.data.shards import TokenShard
@@ -311,9 +341,11 @@ def build_local(folder: Path, names: list[str], *, docs: list[str], tokenizer, c
     out: dict[str, Path] = {}
     e = cfg.evaluate
     if CHOICE in names:
-        items = choice_records(docs, tokenizer, e.choices, e.seed, max_tokens)
+        items = choice_records(docs, tokenizer, e.choices, e.seed, max_tokens) or \
+            span_records(docs, tokenizer, e.choices, e.seed, max_tokens)
         if not items:
-            raise EvalTaskError(f"{CHOICE}: the validation split has no document with a line to continue")
+            raise EvalTaskError(f"{CHOICE}: the validation split has too little text for a continuation task "
+                                f"({len(docs)} document(s)); list other evaluate.tasks")
         out[CHOICE] = _yaml(folder, {
             "task": CHOICE, "output_type": "multiple_choice", "doc_to_text": "{{context}}",
             "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}", "target_delimiter": "",
