@@ -668,9 +668,11 @@ class RunConfig(Section):
 
     @model_validator(mode="after")
     def _evaluate_gates(self) -> RunConfig:
-        """A gate set for a variant the benchmark does not make is a mistake, not a no-op."""
-        for name in sorted(self.evaluate.gates.model_fields_set):
-            if name not in self.benchmark.variants:
+        """A gate set for a variant the benchmark does not make is a mistake, not a no-op. (Set: other than its
+        default; a recorded config, which spells every default out, loads again.)"""
+        gates = self.evaluate.gates
+        for name, spec in type(gates).model_fields.items():
+            if name not in self.benchmark.variants and getattr(gates, name) != spec.default_factory():
                 raise ValueError(f"evaluate.gates.{name}: {name} is not a deployed variant (benchmark.variants: "
                                  f"{', '.join(self.benchmark.variants)})")
         return self

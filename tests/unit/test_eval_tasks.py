@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from llmpipe import config as config_mod
 from llmpipe.config import ConfigError
 from llmpipe.eval import tasks as eval_tasks
 from tests.conftest import make_cfg
@@ -36,8 +37,10 @@ def test_a_gate_for_a_variant_the_benchmark_does_not_make_is_refused_at_load(tmp
                  evaluate={"gates": {"fp16": {"max_drop": 0.1}}})
     assert str(err.value) == ("config: evaluate.gates.fp16: fp16 is not a deployed variant "
                               "(benchmark.variants: fp32, int8)")
-    make_cfg(tmp_path, check="fields", benchmark={"variants": ["fp32", "int8"]},
-             evaluate={"gates": {"int8": {"max_drop": 0.1}}})  # a deployed one is fine
+    cfg = make_cfg(tmp_path, check="fields", benchmark={"variants": ["fp32", "int8"]},
+                   evaluate={"gates": {"int8": {"max_drop": 0.1}}})  # a deployed one is fine
+    # a recorded config (train's config.yaml, a manifest's) spells every default gate out and loads again
+    assert config_mod.from_dict(cfg.to_dict(), check="fields").evaluate.gates.fp16.max_drop == 0.03
 
 
 def _plan(tmp_path: Path, entry: str):
