@@ -398,9 +398,14 @@ def run(ctx: StageContext) -> StageResult:
     chat = chat_setup(ctx, tokenizer)
     docs = eval_tasks.validation_docs(ctx.input_path("prepare_data", "val_bin"), tokenizer) \
         if set(plan.local) & {eval_tasks.CHOICE, eval_tasks.PPL} else []
+    skipped: dict[str, str] = {}
     local = eval_tasks.build_local(ctx.work_dir / TASKS_DIR, plan.local, docs=docs, tokenizer=tokenizer, cfg=cfg,
-                                   max_tokens=args.max_seq_len, chat=chat[:2] if chat else None)
+                                   max_tokens=args.max_seq_len, chat=chat[:2] if chat else None, skipped=skipped)
+    for task, why in skipped.items():
+        log.warning("evaluate: %s %s", task, why)
     specs = task_specs(plan, local, [Path.cwd(), ctx.run_dir])
+    if not specs:
+        raise StageError(f"evaluate: nothing to evaluate: {'; '.join(f'{t} {w}' for t, w in skipped.items())}")
     manager = task_manager(plan)
     check_tasks(specs, manager)  # before any model: unknown names, datasets not on disk
 
@@ -428,7 +433,8 @@ def run(ctx: StageContext) -> StageResult:
     names = list(outputs)
     om = "om: not evaluated (an OM model is run through ais_bench by the benchmark stage only)"
     results = {"reference": reference, "limit": e.limit, "num_fewshot": e.num_fewshot, "seed": e.seed,
-               "notes": [om], "summary": summary, "rejected": rejected, "lm_eval": outputs}
+               "notes": [om, *(f"{t}: {w}" for t, w in skipped.items())],
+               "summary": summary, "rejected": rejected, "lm_eval": outputs}
     text = json.dumps(results, indent=2, default=handle_non_serializable)
     write_json_atomic(ctx.work_dir / RESULTS_FILE, json.loads(text))
     (ctx.work_dir / TABLE_FILE).write_text(f"# Evaluation: {cfg.run.name}\n\n"

@@ -334,23 +334,25 @@ def question_records(path: Path, render) -> list[dict]:
 
 
 def build_local(folder: Path, names: list[str], *, docs: list[str], tokenizer, cfg, max_tokens: int,
-                chat: tuple | None = None) -> dict[str, Path]:
+                chat: tuple | None = None, skipped: dict[str, str] | None = None) -> dict[str, Path]:
     """Write the local tasks `names` into `folder`; returns task name -> YAML. `chat`: (render(messages),
-    end-of-turn strings) of a chat run."""
+    end-of-turn strings) of a chat run. A task the data cannot make is left out, with why in `skipped`."""
     folder.mkdir(parents=True, exist_ok=True)
     out: dict[str, Path] = {}
+    skipped = {} if skipped is None else skipped
     e = cfg.evaluate
     if CHOICE in names:
         items = choice_records(docs, tokenizer, e.choices, e.seed, max_tokens) or \
             span_records(docs, tokenizer, e.choices, e.seed, max_tokens)
-        if not items:
-            raise EvalTaskError(f"{CHOICE}: the validation split has too little text for a continuation task "
-                                f"({len(docs)} document(s)); list other evaluate.tasks")
-        out[CHOICE] = _yaml(folder, {
-            "task": CHOICE, "output_type": "multiple_choice", "doc_to_text": "{{context}}",
-            "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}", "target_delimiter": "",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                            {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]}, items)
+        if not items:  # NOTE: a local task the run's data cannot make is left out and said so, not an error
+            skipped[CHOICE] = (f"not built: the validation split has too little text for a continuation task with "
+                               f"distractors from other documents ({len(docs)} document(s))")
+        else:
+            out[CHOICE] = _yaml(folder, {
+                "task": CHOICE, "output_type": "multiple_choice", "doc_to_text": "{{context}}",
+                "doc_to_choice": "{{choices}}", "doc_to_target": "{{label}}", "target_delimiter": "",
+                "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                                {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True}]}, items)
     if PPL in names:
         records = [{"text": d[:MAX_DOC_CHARS]} for d in docs]
         if not records:
