@@ -396,7 +396,7 @@ def run(ctx: StageContext) -> StageResult:
         raise StageError(str(err)) from None
     tokenizer = load_tokenizer(model_dir / TOKENIZER)
     chat = chat_setup(ctx, tokenizer)
-    docs = eval_tasks.validation_docs(ctx.input_path("prepare_data", "val_bin"), tokenizer) \
+    docs = eval_tasks.validation_docs(ctx.input_path("prepare_data", "val_bin"), tokenizer, special=chat is not None) \
         if set(plan.local) & {eval_tasks.CHOICE, eval_tasks.PPL} else []
     skipped: dict[str, str] = {}
     local = eval_tasks.build_local(ctx.work_dir / TASKS_DIR, plan.local, docs=docs, tokenizer=tokenizer, cfg=cfg,

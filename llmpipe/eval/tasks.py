@@ -290,14 +290,16 @@ def span_records(docs: list[str], tokenizer, n_choices: int, seed: int, max_toke
     return items
 
 
-def validation_docs(val_bin: Path, tokenizer, limit: int = MAX_ITEMS) -> list[str]:
-    """The validation split's documents as text (decoded), at most `limit`, in shard order."""
+def validation_docs(val_bin: Path, tokenizer, limit: int = MAX_ITEMS, special: bool = False) -> list[str]:
+    """The validation split's documents as text (decoded), at most `limit`, in shard order. `special`: keep the
+    special tokens (a chat run's rendered conversations keep their template markers)."""
     from llmpipe.data.shards import TokenShard
 
     shard = TokenShard(val_bin)
     docs = []
     for j in range(min(shard.n_docs, 4 * limit)):
-        text = tokenizer.decode(shard.document(j).tolist())
+        ids = shard.document(j).tolist()
+        text = tokenizer.decode(ids, skip_special_tokens=not special)
         if text.strip():
             docs.append(text)
         if len(docs) >= limit:
@@ -305,9 +307,10 @@ def validation_docs(val_bin: Path, tokenizer, limit: int = MAX_ITEMS) -> list[st
     return docs
 
 
-def question_records(path: Path, render) -> list[dict]:
+def question_records(path: Path, render, seed: int = 0) -> list[dict]:
     """llmpipe_chat_qa's items from JSON lines of {"messages": [...]}: every message up to the last user turn
-    rendered by `render(messages) -> prompt`, the last assistant message after it the answer."""
+    rendered by `render(messages) -> prompt`, the last assistant message after it the answer; shuffled with
+    `seed`, so that evaluate.limit takes a sample of every kind of question, not the file's first kind."""
     if not path.is_file():
         raise EvalTaskError(f"evaluate.chat_questions: {path}: file not found")
     if path.stat().st_size > MAX_QUESTIONS_BYTES:
@@ -326,11 +329,10 @@ def question_records(path: Path, render) -> list[dict]:
                                 "user question and an assistant answer") from None
         items.append({"prompt": render(messages[:last + 1]), "question": messages[last]["content"],
                       "answer": str(answer)})
-        if len(items) >= MAX_ITEMS:
-            break
     if not items:
         raise EvalTaskError(f"evaluate.chat_questions: {path}: no conversations")
-    return items
+    random.Random(seed).shuffle(items)
+    return items[:MAX_ITEMS]
 
 
 def build_local(folder: Path, names: list[str], *, docs: list[str], tokenizer, cfg, max_tokens: int,
@@ -363,7 +365,7 @@ def build_local(folder: Path, names: list[str], *, docs: list[str], tokenizer, c
             records)
     if CHAT_QA in names:
         render, end_of_turn = chat
-        items = question_records(Path(e.chat_questions), render)
+        items = question_records(Path(e.chat_questions), render, e.seed)
         out[CHAT_QA] = _yaml(folder, {
             "task": CHAT_QA, "output_type": "generate_until", "doc_to_text": "{{prompt}}",
             "doc_to_target": "{{answer}}", "target_delimiter": "",
