@@ -1,4 +1,4 @@
-"""The flow: prepare_data -> train -> consolidate -> export_onnx -> convert_om -> benchmark.
+"""The flow: prepare_data -> train -> consolidate -> export_onnx -> convert_om -> benchmark -> evaluate.
 
 It only sequences. Each task skips itself when its manifest is up to date, so a rerun after a
 failure re-executes the failed stage and what follows, nothing else.

@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from llmpipe.errors import ConfigError
 from llmpipe.models.limits import MODEL_LIMITS
 
-STAGES = ("prepare_data", "train", "consolidate", "export_onnx", "convert_om", "benchmark")
+STAGES = ("prepare_data", "train", "consolidate", "export_onnx", "convert_om", "benchmark", "evaluate")
 RUN_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_STEPS = 10_000_000
 # How far from_dict checks: the fields only (a recorded config; no torch import), or also what the
@@ -693,6 +693,83 @@ class TrackingSection(Section):
     mlflow: MlflowSection = Op(default_factory=MlflowSection, description="MLflow tracking and registry.")
 
 
+class EvalGate(Section):
+    """How far one variant's task scores may fall below the reference (the hf/ folder through lm_eval's HFLM)."""
+
+    max_drop: float | None = Res(None, ge=0, description="Largest absolute drop of any gated task metric "
+                                 "(accuracy, exact match; bits per byte rising counts as a drop) against the "
+                                 "reference; null: no limit.")
+    tasks: dict[str, float] = Res({}, description="Per-task overrides of max_drop: {task name: largest drop}.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _drops(cls, v: dict[str, float]) -> dict[str, float]:
+        bad = next((k for k, x in v.items() if not (isinstance(x, (int, float)) and x >= 0)), None)
+        if bad is not None:
+            raise ValueError(f"{bad}: a drop must be a number >= 0 (got {v[bad]!r})")
+        return v
+
+
+def _eval_gate(name: str, drop: float) -> Any:
+    """An EvalGate subclass whose max_drop default is this variant's."""
+    return type(f"{name.capitalize()}EvalGate", (EvalGate,), {
+        "__annotations__": {"max_drop": "float | None"},
+        "max_drop": Res(drop, ge=0, description=f"Largest absolute drop of any gated task metric of {name} against "
+                        "the reference; null: no limit."),
+        "__module__": __name__,
+    })
+
+
+# Defaults from measurement on the demo (README "Evaluation", 40 items per task): fp32, fp16 and int8 scored the
+# reference's llmpipe_choice accuracy exactly (stderr 0.076), and moved bits per byte by 0.0000, 0.0000 and
+# -0.0007 (+0.0002 on another training of the same config). One item of 40 is 0.025: fp32 and fp16 may lose one
+# (a near-tie flipped by rounding), int8 two; every limit is far above the bits-per-byte movement seen.
+Fp32EvalGate, Fp16EvalGate, Int8EvalGate = _eval_gate("fp32", 0.03), _eval_gate("fp16", 0.03), _eval_gate("int8", 0.06)
+
+
+class EvalGatesSection(Section):
+    fp32: Fp32EvalGate = Res(default_factory=Fp32EvalGate, description="Limits for ORT fp32.")
+    fp16: Fp16EvalGate = Res(default_factory=Fp16EvalGate, description="Limits for ORT fp16.")
+    int8: Int8EvalGate = Res(default_factory=Int8EvalGate, description="Limits for ORT int8.")
+
+
+LOCAL_TASKS = ("llmpipe_choice", "llmpipe_ppl", "llmpipe_chat_qa")
+
+
+class EvaluateSection(Section):
+    tasks: list[str] = Res(["local"], min_length=1, description="lm_eval task names (offline: their datasets "
+                           "must be in the local Hugging Face cache), paths to task YAML files inside the project "
+                           "or the run, or `local`: the project's own tasks built from the run's data "
+                           "(llmpipe_choice and llmpipe_ppl for text runs; llmpipe_ppl, and llmpipe_chat_qa with "
+                           "evaluate.chat_questions, for chat runs).")
+    limit: int | None = Res(40, gt=0, description="Documents per task (the first ones); null: all.")
+    num_fewshot: int | None = Res(None, ge=0, description="Few-shot examples per prompt; null: each task's own.")
+    batch_size: int = Res(1, ge=1, le=256, description="Requests per forward pass (1: each scored alone, as "
+                          "dynamic int8 quantizes a pass's activations together).")
+    seed: int = Res(1234, ge=0, description="lm_eval's seeds (few-shot sampling, python, numpy, torch).")
+    choices: int = Res(4, ge=2, le=10, description="llmpipe_choice: candidates per item (the true next line "
+                       "and distractors from other documents).")
+    max_gen_tokens: int = Res(32, ge=1, description="Tokens generated per answer (generate_until).")
+    chat_questions: str | None = Res(None, description="Chat runs: held-out conversations (JSON lines of "
+                                     "{messages}, e.g. `llmpipe synth-chat`'s val.jsonl) for llmpipe_chat_qa: "
+                                     "the last user turn asked, exact match against the assistant's answer.")
+    torch: bool = Res(False, description="Also evaluate the consolidated weights in PyTorch eager (variant torch).")
+    enforce: bool = Res(True, description="A variant beyond its gate fails the stage; false: marked rejected.")
+    gates: EvalGatesSection = Res(default_factory=EvalGatesSection, description="Per variant: the largest "
+                                  "task-score drop against the reference.")
+    progress_every_s: float = Op(30.0, gt=0, description="Seconds between progress lines when not on a terminal.")
+
+    @field_validator("tasks")
+    @classmethod
+    def _tasks(cls, v: list[str]) -> list[str]:
+        for t in v:
+            if not isinstance(t, str) or not t.strip() or "\n" in t:
+                raise ValueError(f"{t!r}: a task is a name or a path to a YAML file")
+        if len(set(v)) != len(v):
+            raise ValueError("a task is listed twice")
+        return v
+
+
 class RunConfig(Section):
     run: RunSection = Res(default_factory=RunSection)
     data: DataSection = Res(...)
@@ -703,6 +780,18 @@ class RunConfig(Section):
     convert_om: ConvertOmSection = Res(default_factory=ConvertOmSection)
     benchmark: BenchmarkSection = Res(default_factory=BenchmarkSection)
     tracking: TrackingSection = Op(default_factory=TrackingSection, description="Experiment tracking.")
+    evaluate: EvaluateSection = Res(default_factory=EvaluateSection)
+
+    @model_validator(mode="after")
+    def _evaluate_gates(self) -> RunConfig:
+        """A gate set for a variant the benchmark does not make is a mistake, not a no-op. (Set: other than its
+        default; a recorded config, which spells every default out, loads again.)"""
+        gates = self.evaluate.gates
+        for name, spec in type(gates).model_fields.items():
+            if name not in self.benchmark.variants and getattr(gates, name) != spec.default_factory():
+                raise ValueError(f"evaluate.gates.{name}: {name} is not a deployed variant (benchmark.variants: "
+                                 f"{', '.join(self.benchmark.variants)})")
+        return self
 
     @model_validator(mode="after")
     def _pretrained_tokenizer(self) -> RunConfig:

@@ -66,6 +66,10 @@ class StageSpec:
     outputs: tuple[str, ...] = ()  # what a completed manifest must list (a folder output: "name/")
     may_skip: bool = False  # whether "skipped" (with a reason) is a legitimate result
     retention: str | None = None  # config field: how many superseded folders to keep (resumable stages)
+    # Stages it reads a part of: done and verified in full before it runs, like `inputs`, but their content
+    # digest is not in its fingerprint; its `extra` hashes the part it reads (the evaluation reads the graphs
+    # of export_onnx and benchmark, not their timings, so a re-timed benchmark does not re-run it).
+    reads: tuple[str, ...] = ()
 
 
 # In pipeline order (config.STAGES), which a new stage may enter anywhere; its number is the next free one.
@@ -89,6 +93,9 @@ SPECS: dict[str, StageSpec] = {s.name: s for s in (
               extra="llmpipe.export.atc:fingerprint_extra", outputs=("om", "log", "argv"), may_skip=True),
     StageSpec("benchmark", ("benchmark",), ("export_onnx", "convert_om", "consolidate", "prepare_data", "train"),
               "llmpipe.bench.run:run", number=6, outputs=("results", "table")),
+    StageSpec("evaluate", ("evaluate",), ("prepare_data", "consolidate"), "llmpipe.eval.stage:run", number=7,
+              extra="llmpipe.eval.tasks:fingerprint_extra", reads=("export_onnx", "benchmark"),
+              outputs=("results", "table", "plot", "tasks/")),
 )}
 assert tuple(SPECS) == STAGES
 assert len({s.number for s in SPECS.values()}) == len(SPECS), "two stages share a folder number"
@@ -333,7 +340,7 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False,
             log.info("%s: existing result is %s; running again", name, status)
 
     inputs: dict[str, tuple[Path, Manifest]] = {}
-    for dep in spec.inputs:  # verified in full: a stage never reads bytes its manifest does not vouch for
+    for dep in (*spec.inputs, *spec.reads):  # verified in full: never bytes its manifest does not vouch for
         status, manifest = state(cfg, dep, fps[dep], full=True)
         if status != "done":
             raise StageError(f"{name} needs {dep}, which is {status}; run {dep} first")
@@ -391,7 +398,7 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
         outputs=_expand_outputs(partial, result.outputs), metrics=result.metrics,
         config=cfg.to_dict(), versions=versions(), started_at=started, finished_at=_now(),
         duration_s=round(time.monotonic() - t0, 3),
-        inputs={d: m.content_digest() for d, (_, m) in inputs.items()},
+        inputs={d: m.content_digest() for d, (_, m) in inputs.items() if d in spec.inputs},
     )
     manifest.write(partial)
     _publish(partial, final, spec, run_dir)

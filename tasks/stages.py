@@ -8,6 +8,7 @@ fingerprints); tensors and models never cross a task boundary. Caching is llmpip
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Any
 
 from prefect import task
@@ -96,5 +97,19 @@ def benchmark_model(config: str, overrides: list[str], force: bool = False) -> d
     return result
 
 
+@_task("evaluate_model")
+def evaluate_model(config: str, overrides: list[str], force: bool = False) -> dict[str, Any]:
+    result = _run("evaluate", config, overrides, force)
+    if result["executed"]:
+        from llmpipe.eval.stage import TABLE_FILE
+
+        folder = Path(result["folder"])
+        create_markdown_artifact((folder / TABLE_FILE).read_text(encoding="utf-8"),
+                                 key=_key("evaluation", folder.parent.name),
+                                 description="lm-evaluation-harness: task x variant")
+    return result
+
+
 TASKS = {"prepare_data": prepare_data, "train": train_model, "consolidate": consolidate_checkpoint,
-         "export_onnx": export_onnx, "convert_om": convert_om, "benchmark": benchmark_model}
+         "export_onnx": export_onnx, "convert_om": convert_om, "benchmark": benchmark_model,
+         "evaluate": evaluate_model}

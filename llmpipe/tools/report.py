@@ -1,7 +1,7 @@
 """The run report: artifacts/<run>/report.html, one self-contained page about a run.
 
 Stage table (state, duration, fingerprint, outputs linked), the loss curve, training throughput,
-and the benchmark table. Written after every flow run, also when a stage failed.
+the benchmark table and the evaluation's task x variant table. Written after every flow run, also when a stage failed.
 """
 
 from __future__ import annotations
@@ -179,6 +179,20 @@ def _quality_section(q: dict[str, Any]) -> str:
             f"against torch fp32.</p>{_table(rows)}<h3>Parity chain</h3>{_table(chain)}")
 
 
+def _eval_section(run_dir: Path) -> str:
+    folder = stage_dir(run_dir, "evaluate")
+    manifest = Manifest.read(folder)
+    if manifest is None or manifest.status != "completed":
+        return ""
+    from llmpipe.eval.stage import PLOT_FILE, load_results, table_rows
+
+    results = load_results(folder)
+    notes = "".join(f"<li>{html.escape(n)}</li>" for n in results.get("notes", []))
+    return (f"<h2>Evaluation (lm-evaluation-harness)</h2><p>Reference: {html.escape(results['reference'])}; "
+            f"cells: score ± stderr (delta against the reference).</p>{_table(table_rows(results))}"
+            f"<ul>{notes}</ul><img alt='evaluation' src='{folder.name}/{PLOT_FILE}'>")
+
+
 _CSS = ("body{font-family:sans-serif;margin:2em;max-width:70em}table{border-collapse:collapse;margin:1em 0}"
         "td,th{border:1px solid #ccc;padding:3px 8px;font-size:90%}th{background:#eee}")
 
@@ -209,6 +223,11 @@ def markdown(cfg: RunConfig) -> str:
             lines += ["## Generation", "", llm_markdown(results["llm"])]
         if results.get("quality"):
             lines += ["## Parity chain", "", results["quality"]["chain_markdown"]]
+    evaluation = stage_dir(run_dir, "evaluate")
+    manifest = Manifest.read(evaluation)
+    if manifest is not None and manifest.status == "completed":
+        lines += ["", "## Evaluation", "", (evaluation / "results.md").read_text(encoding="utf-8")
+                  .split("\n", 2)[-1].strip()]
     return "\n".join(lines) + "\n"
 
 
@@ -237,7 +256,7 @@ def write(cfg: RunConfig) -> Path:
 
 def _page(cfg: RunConfig, run_dir: Path) -> str:
     parts = [f"<h1>llmpipe run {html.escape(cfg.run.name)}</h1>", _stage_section(cfg),
-             _train_section(run_dir), _bench_section(run_dir),
+             _train_section(run_dir), _bench_section(run_dir), _eval_section(run_dir),
              f"<h2>Config</h2><pre>{html.escape(json.dumps(cfg.to_dict(), indent=2))}</pre>"]
     return f"<!doctype html><html><head><meta charset='utf-8'><title>llmpipe {html.escape(cfg.run.name)}" \
            f"</title><style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n"

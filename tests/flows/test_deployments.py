@@ -98,7 +98,8 @@ def _config(folder: Path, name: str, max_steps: int) -> Path:
            "train": {"nproc_per_node": 2, "micro_batch_size": 2, "max_steps": max_steps, "threads_per_proc": 1,
                      "checkpoint": {"every_steps": 5}, "eval": {"every_steps": 1000, "batches": 1}},
            "export": {"parity_shapes": [[1, 8]]},
-           "benchmark": {"variants": ["fp32", "int8"], "shapes": [[1, 16]], "warmup": 1, "iters": 2, "threads": 1}}
+           "benchmark": {"variants": ["fp32", "int8"], "shapes": [[1, 16]], "warmup": 1, "iters": 2, "threads": 1},
+           "evaluate": {"limit": 4}}
     path = folder / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
     return path

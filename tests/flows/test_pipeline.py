@@ -36,6 +36,7 @@ def _write_config(folder: Path) -> Path:
                       "quality": {"samples": 4, "continuation_prompts": 2, "continuation_tokens": 8},
                       "serving": {"enabled": True, "concurrency": [1, 2], "requests": 3, "prompt_tokens": 16,
                                   "max_tokens": 4}},
+        "evaluate": {"limit": 8},
     }
     path = folder / "flowtest.yaml"
     path.write_text(yaml.safe_dump(cfg))
@@ -224,3 +225,71 @@ def test_a_quality_gate_beyond_reach_fails_the_benchmark_then_the_relaxed_rerun_
     assert "benchmark.quality.int8." in errors[0]
     results = train_to_deploy(config=config, overrides=["benchmark.quality.int8.min_top1=0.5"])
     assert [s for s, r in results.items() if r["executed"]] == ["benchmark"]
+
+
+def test_the_evaluation_scores_the_reference_and_every_variant_and_the_report_shows_the_table(first_run):
+    """Issue 27: the seventh stage ran lm_eval on hf/ (HFLM) and on each deployed variant (llmpipe's engines):
+    fp32 ONNX scores what HFLM scores within the stderr; the tables reach results.md and the report."""
+    from llmpipe import config as config_mod
+    from llmpipe.tools import report
+
+    config, run_dir, results = first_run
+    assert results["evaluate"]["executed"] and stage_dir(run_dir, "evaluate").name == "07_evaluate"
+    folder = stage_dir(run_dir, "evaluate")
+    out = json.loads((folder / "results.json").read_text())
+    assert list(out["lm_eval"]) == ["reference", "fp32", "fp16", "int8"]
+    assert out["reference"] == "hf/ through lm_eval's HFLM"
+    tasks = out["summary"]["tasks"]
+    assert set(tasks) == {"llmpipe_choice", "llmpipe_ppl"}
+    acc = tasks["llmpipe_choice"]["acc"]
+    assert abs(acc["fp32"]["value"] - acc["reference"]["value"]) <= acc["reference"]["stderr"]
+    bpb = tasks["llmpipe_ppl"]["bits_per_byte"]
+    assert abs(bpb["fp32"]["delta"]) <= 1e-4 and bpb["reference"]["value"] > 0
+    assert out["lm_eval"]["int8"]["results"]["llmpipe_choice"]["acc,none"] == acc["int8"]["value"]  # untouched
+    assert out["summary"]["verdicts"] == {"fp32": "accepted", "fp16": "accepted", "int8": "accepted"}
+    assert "| llmpipe_choice | acc | " in (folder / "results.md").read_text()
+    assert (folder / "scores.png").stat().st_size > 0 and (folder / "tasks" / "llmpipe_choice.yaml").is_file()
+    assert "Evaluation (lm-evaluation-harness)" in (run_dir / "report.html").read_text()
+    assert "## Evaluation" in report.markdown(config_mod.load(config))
+
+
+def test_an_evaluation_gate_beyond_reach_fails_with_one_line_then_the_relaxed_rerun_runs_only_evaluate(first_run):
+    from flows.train_to_deploy import train_to_deploy
+
+    config, run_dir, _ = first_run
+    train_to_deploy(config=config)  # up to date
+    tasks = json.loads((run_dir / "07_evaluate" / "results.json").read_text())["summary"]["tasks"]
+    # the premise: some variant scores below the reference somewhere (bits per byte rising is a drop)
+    drops = [((c["reference"]["value"] - c[v]["value"]) * (1 if m.startswith("acc") else -1), v)
+             for ms in tasks.values() for m, c in ms.items() if "perplexity" not in m for v in ("fp32", "fp16", "int8")]
+    drop, variant = max(drops)
+    assert drop > 0
+    before = {s: _snapshot(run_dir, s) for s in STAGES}
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_LEVEL"}
+    gate = ["--set", f"evaluate.gates.{variant}.max_drop=0"]
+    out = subprocess.run([LLMPIPE, "run", config, *gate], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 1, out.stderr[-3000:]
+    errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and errors[0].startswith(f"error: evaluate: {variant} fails its evaluation gate: "), errors
+    assert f"; evaluate.gates.{variant}.max_drop)" in errors[0]
+    assert {s: _snapshot(run_dir, s) for s in STAGES} == before  # nothing half-written, the last result kept
+    results = train_to_deploy(config=config, overrides=[f"evaluate.gates.{variant}.max_drop=1"])
+    assert [s for s, r in results.items() if r["executed"]] == ["evaluate"]
+
+
+def test_a_run_made_before_the_evaluate_stage_gets_only_it_executed(first_run):
+    """A run whose six stages were made before the evaluation existed: the next run executes evaluate alone,
+    every earlier folder keeps its name and its bytes."""
+    import shutil
+
+    from flows.train_to_deploy import train_to_deploy
+
+    config, run_dir, _ = first_run
+    train_to_deploy(config=config)
+    shutil.rmtree(stage_dir(run_dir, "evaluate"))
+    names = sorted(p.name for p in run_dir.iterdir())
+    before = {s: _snapshot(run_dir, s) for s in STAGES[:-1]}
+    results = train_to_deploy(config=config)
+    assert [s for s, r in results.items() if r["executed"]] == ["evaluate"]
+    assert sorted(p.name for p in run_dir.iterdir()) == sorted([*names, "07_evaluate"])
+    assert {s: _snapshot(run_dir, s) for s in STAGES[:-1]} == before

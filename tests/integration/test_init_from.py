@@ -137,7 +137,8 @@ def _config(tmp_path: Path, hf_folder: Path, name: str, **train) -> config_mod.R
             "data": {"inputs": [str(_corpus(tmp_path) / "*.txt")], "seq_len": 32, "val_fraction": 0.2},
             "model": {"init_from": str(hf_folder)}, "train": t,
             "export": {"parity_shapes": [[1, 16]]},
-            "benchmark": {"shapes": [[1, 16]], "warmup": 0, "iters": 2, "threads": 1}}
+            "benchmark": {"shapes": [[1, 16]], "warmup": 0, "iters": 2, "threads": 1},
+            "evaluate": {"limit": 4}}
     return config_mod.from_dict(yaml.safe_load(yaml.safe_dump(tree)))
 
 

@@ -376,6 +376,17 @@ def test_a_variant_the_gate_rejected_or_a_run_without_benchmark_is_refused_in_on
                                        "has passed; refusing to serve it (--allow-ungated to serve anyway)\n")
 
 
+def test_a_variant_the_evaluation_rejected_is_refused_in_one_line(run, tmp_path, capsys):
+    copy = shutil.copytree(run, tmp_path / "run")
+    folder = stage_dir(copy, "evaluate")
+    folder.mkdir()
+    (folder / "results.md").write_text("| task | metric |\n")
+    _publish(folder, "evaluate", {"table": "results.md"}, rejected=["fp32"])
+    assert main(["serve", str(copy), "--variant", "fp32"]) == 1
+    assert capsys.readouterr().err == (f"error: fp32 was rejected by the evaluation's gate ({folder / 'results.md'}); "
+                                       "refusing to serve it (--allow-ungated to serve anyway)\n")
+
+
 def test_a_tampered_benchmark_or_a_bad_option_is_refused_before_anything_loads(run, tmp_path, capsys):
     copy = shutil.copytree(run, tmp_path / "run")
     bench = stage_dir(copy, "benchmark")

@@ -77,7 +77,7 @@ def test_failed_stage_leaves_nothing_behind(tmp_path):
 
 
 def test_select():
-    assert stages.select("export_onnx") == ["export_onnx", "convert_om", "benchmark"]
+    assert stages.select("export_onnx") == ["export_onnx", "convert_om", "benchmark", "evaluate"]
     assert stages.select(only=["benchmark", "train"]) == ["train", "benchmark"]
     with pytest.raises(config_mod.ConfigError, match="unknown stage 'trian'"):
         stages.select(only=["trian"])

@@ -3,7 +3,8 @@
 Before anything listens: the options are checked, the variant's files are verified against their
 stages' manifests and its graphs against the decoder's contract (llmpipe.tools.generate.open_run), the
 chat template against training's digest (run_template), and the benchmark stage must have completed
-(its files verified) with the variant measured by its quality gate and not rejected; otherwise one
+(its files verified) with the variant measured by its quality gate and not rejected, nor rejected by the
+evaluate stage's gates where that stage has run; otherwise one
 `error:` line (--allow-ungated serves anyway, and says so in the log). The routes are in app.py, the
 decode loop (continuous batching over the static decoder's rows) in scheduler.py.
 
@@ -45,6 +46,25 @@ def gate_problem(run_dir: Path, variant: str) -> str | None:
         return f"{variant} was rejected by the benchmark's quality gate ({folder / 'results.md'})"
     if variant != "torch" and variant not in (manifest.metrics.get("ppl") or {}):
         return f"{variant} was not measured by the benchmark's quality gate (is it in benchmark.variants?)"
+    return evaluation_problem(run_dir, variant)
+
+
+def evaluation_problem(run_dir: Path, variant: str) -> str | None:
+    """Why the evaluate stage's result forbids serving `variant` (rejected by its gates, or its files changed),
+    or None; a run without an evaluation (made before the stage existed, or not evaluated yet) is not refused
+    for it."""
+    from llmpipe.manifest import Manifest
+    from llmpipe.stages import stage_dir
+
+    folder = stage_dir(run_dir, "evaluate")
+    manifest = Manifest.read(folder)
+    if manifest is None or manifest.status != "completed":
+        return None
+    problem = manifest.verify(folder)
+    if problem:
+        return f"{folder}: {problem}"
+    if variant in (manifest.metrics.get("rejected") or []):
+        return f"{variant} was rejected by the evaluation's gate ({folder / 'results.md'})"
     return None
 
 

@@ -1,0 +1,1 @@
+"""Evaluation on downstream tasks: lm-evaluation-harness over llmpipe's engines (the evaluate stage)."""
