@@ -429,16 +429,13 @@ def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:
     """A chat run's generated sample (llm.sample_text's arguments): benchmark.llm.sample_prompt asked as a
     user's question in the run's chat template (checked against training's digest first), its answer
     ending at eos or the template's end of turn; None for a text run."""
-    from llmpipe.chat.template import load_template
-    from llmpipe.checkpoint.template_digest import METRIC, RENDER, check_folder, training_digest
+    from llmpipe.checkpoint.template_digest import consolidated_template
     from llmpipe.models.llama.hf_files import single_token_ids
 
-    folder, manifest = ctx.inputs["consolidate"]
-    source = check_folder(folder, training_digest(ctx.run_dir, manifest.metrics.get(METRIC),
-                                                  folder / "manifest.json"))
-    if source is None:
+    found = consolidated_template(ctx.run_dir, *ctx.inputs["consolidate"])
+    if found is None:
         return None
-    tpl, render = load_template(source, str(folder / "chat_template.jinja")), manifest.metrics.get(RENDER) or {}
+    tpl, render = found
     prompt = tpl.render([{"role": "user", "content": ctx.cfg.benchmark.llm.sample_prompt}],
                         add_generation_prompt=True, bos_token=render.get("bos_token", ""),
                         eos_token=render.get("eos_token", ""))

@@ -114,3 +114,15 @@ def training_digest(run_dir: Path, recorded: str | None, recorded_in: Path) -> s
     if recorded != want:
         raise mismatch(recorded_in, recorded, want)
     return want
+
+
+def consolidated_template(run_dir: Path, folder: Path, manifest: Manifest):
+    """(the template, the bos/eos strings it renders with) of consolidate's folder, every copy checked
+    against training's digest first; None for a text run. What a stage reading consolidate's model for chat
+    (the benchmark's sample, evaluate's questions) renders conversations with."""
+    from llmpipe.chat.template import load_template
+
+    source = check_folder(folder, training_digest(run_dir, manifest.metrics.get(METRIC), folder / "manifest.json"))
+    if source is None:
+        return None
+    return load_template(source, str(folder / TEMPLATE_FILE)), manifest.metrics.get(RENDER) or {}

@@ -210,16 +210,13 @@ def engine_lm(ctx: StageContext, name: str, args, tokenizer, eos: int, prefix: i
 def chat_setup(ctx: StageContext, tokenizer) -> tuple | None:
     """(render(messages) -> prompt, end-of-turn strings, stop ids) of a chat run, its template checked against
     training's digest; None for a text run."""
-    from llmpipe.chat.template import load_template
-    from llmpipe.checkpoint.template_digest import METRIC, RENDER, check_folder, training_digest
+    from llmpipe.checkpoint.template_digest import consolidated_template
     from llmpipe.models.llama.hf_files import single_token_ids
 
-    folder, manifest = ctx.inputs["consolidate"]
-    source = check_folder(folder, training_digest(ctx.run_dir, manifest.metrics.get(METRIC),
-                                                  folder / "manifest.json"))
-    if source is None:
+    found = consolidated_template(ctx.run_dir, *ctx.inputs["consolidate"])
+    if found is None:
         return None
-    tpl, render = load_template(source, str(folder / "chat_template.jinja")), manifest.metrics.get(RENDER) or {}
+    tpl, render = found
     bos, eos = render.get("bos_token", ""), render.get("eos_token", "")
 
     def render_messages(messages: list[dict]) -> str:
