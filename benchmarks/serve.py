@@ -22,12 +22,9 @@ the measurements are repeated in turn (medians), so a machine whose load drifts 
 from __future__ import annotations
 
 import argparse
-import json
-import socket
-import subprocess
+import contextlib
 import sys
 import tempfile
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -42,6 +39,7 @@ import httpx  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
+from llmpipe.bench.serving import LocalServer, one_request, run_load  # noqa: E402
 from llmpipe.data.tokenizer import train_tokenizer  # noqa: E402
 from llmpipe.export import onnx as export  # noqa: E402
 from llmpipe.manifest import Manifest, file_entry  # noqa: E402
@@ -98,79 +96,13 @@ def prompts(tok, text: str, n: int, length: int, seed: int) -> list[str]:
     return [tok.decode(ids[s:s + length]) for s in starts]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, run: Path, max_batch: int, log: Path):
-        self.port = _free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        with open(log, "wb") as out:
-            self.proc = subprocess.Popen([sys.executable, "-m", "llmpipe", "serve", str(run), "--port",
-                                          str(self.port), "--max-batch", str(max_batch), "--max-queue", "64",
-                                          "--allow-ungated"], stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
-        while True:
-            if self.proc.poll() is not None:
-                raise SystemExit(log.read_text()[-2000:])
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.TransportError:
-                time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(timeout=120)
-
-
-def one_request(http: httpx.Client, model: str, prompt: str, new: int) -> dict:
-    body = {"model": model, "prompt": prompt, "max_tokens": new, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
-    t0 = time.perf_counter()
-    first, tokens = None, 0
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            elif first is None and chunk["choices"] and chunk["choices"][0]["text"]:
-                first = time.perf_counter()
-    end = time.perf_counter()
-    first = first or end
-    return {"ttft": first - t0, "tpot": (end - first) / max(tokens - 1, 1), "tokens": tokens}
-
-
-def load(server: Server, model: str, texts: list[str], concurrency: int, new: int) -> dict:
-    todo = list(enumerate(texts))
-    lock, results = threading.Lock(), []
-
-    def worker() -> None:
-        with httpx.Client(base_url=server.url, timeout=600) as http:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    _, prompt = todo.pop(0)
-                r = one_request(http, model, prompt, new)
-                with lock:
-                    results.append(r)
-
-    one_request(httpx.Client(base_url=server.url, timeout=600), model, texts[0], 4)  # warm up
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    ttft = [r["ttft"] for r in results]
-    return {"tokens_per_s": sum(r["tokens"] for r in results) / wall, "ttft_p50": float(np.percentile(ttft, 50)),
-            "ttft_p99": float(np.percentile(ttft, 99)), "tpot_p50": float(np.median([r["tpot"] for r in results]))}
+def load(url: str, model: str, texts: list[str], concurrency: int, new: int) -> dict:
+    """llmpipe.bench.serving's closed-loop load (what `llmpipe bench serve` runs), after one warm-up request."""
+    with httpx.Client(base_url=url, timeout=600) as http:
+        one_request(http, model, texts[0], 4)
+    r = run_load(url, model, texts, concurrency, new)
+    return {"tokens_per_s": r.output_tokens_per_s, "ttft_p50": r.ttft_ms["p50"] / 1e3,
+            "ttft_p99": r.ttft_ms["p99"] / 1e3, "tpot_p50": r.tpot_ms["p50"] / 1e3}
 
 
 class InProcess:
@@ -216,19 +148,17 @@ def main(argv: list[str] | None = None) -> None:
               f"(built in {time.perf_counter() - t:.0f} s)", flush=True)
         # NOTE: both servers stay up (an idle one waits on a condition, using no CPU) and every measurement
         # is repeated in turn, so a machine whose load drifts shifts all of them alike.
-        servers = {"batching": Server(run, max(levels), Path(tmp) / "batching.log"),
-                   "one at a time": Server(run, 1, Path(tmp) / "single.log")}
-        local = InProcess(run, texts)
-        samples: dict = {}
-        try:
+        with contextlib.ExitStack() as stack:
+            servers = {mode: stack.enter_context(LocalServer(run, "fp32", batch, Path(tmp) / f"{batch}.log",
+                                                             ["--allow-ungated"]))
+                       for mode, batch in (("batching", max(levels)), ("one at a time", 1))}
+            local = InProcess(run, texts)
+            samples: dict = {}
             for _ in range(a.repeats):
                 for c in levels:
                     for mode, server in servers.items():
-                        samples.setdefault((mode, c), []).append(load(server, "bench/fp32", texts, c, a.new))
+                        samples.setdefault((mode, c), []).append(load(server.url, "bench/fp32", texts, c, a.new))
                 samples.setdefault("local", []).append(local.measure(a.new))
-        finally:
-            for server in servers.values():
-                server.stop()
     rows = {k: _median_rows(v) for k, v in samples.items()}
     for mode in servers:
         for c in levels:
