@@ -906,7 +906,7 @@ def _default_experiment(tree: dict[str, Any], name: str) -> None:
     tracking = tree.setdefault("tracking", {}) if tree.get("tracking") is None else tree["tracking"]
     if isinstance(tracking, dict):
         section = tracking.setdefault("mlflow", {}) if tracking.get("mlflow") is None else tracking["mlflow"]
-        if isinstance(section, dict) and section.get("experiment") is None:
+        if isinstance(section, dict) and "experiment" not in section:  # a recorded null stays null
             section["experiment"] = name
 
 

@@ -439,28 +439,6 @@ def test_a_text_run_served_ungated_refuses_chat_with_the_error_object(run, tmp_p
     assert "serve: serving UNGATED (--allow-ungated): " in srv.log.read_text()
 
 
-# --------------------------------------------------------------------------- last: the shared server stops
-
-
-def test_sigterm_drains_in_flight_requests_and_exits_0(server):
-    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
-        body = {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0, "stream": True,
-                "stream_options": {"include_usage": True}}
-        with http.stream("POST", "/v1/completions", json=body) as r:
-            lines = r.iter_lines()
-            assert next(lines).startswith("data: ")
-            server.proc.send_signal(signal.SIGTERM)
-            late = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
-                              json={"model": MODEL, "prompt": "x"})
-            assert late.status_code == 503
-            assert late.json()["error"]["message"] == "the server is shutting down"
-            rest = [line for line in lines if line]
-    assert rest[-1] == "data: [DONE]"
-    assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == LONG
-    assert server.proc.wait(timeout=60) == 0
-    assert KEY not in server.log.read_text()
-
-
 # --------------------------------------------------------------------------- llmpipe bench serve
 
 
@@ -510,3 +488,25 @@ def test_bench_serve_names_a_url_nothing_answers(run, capsys):
     assert _bench(run, "--url", url) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"error: --url {url}: "), err
+
+
+# --------------------------------------------------------------------------- last: the shared server stops
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(server):
+    with httpx.Client(base_url=server.url, headers={"Authorization": f"Bearer {KEY}"}, timeout=60) as http:
+        body = {"model": MODEL, "prompt": "def", "max_tokens": LONG, "temperature": 0, "stream": True,
+                "stream_options": {"include_usage": True}}
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            assert next(lines).startswith("data: ")
+            server.proc.send_signal(signal.SIGTERM)
+            late = httpx.post(f"{server.url}/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                              json={"model": MODEL, "prompt": "x"})
+            assert late.status_code == 503
+            assert late.json()["error"]["message"] == "the server is shutting down"
+            rest = [line for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == LONG
+    assert server.proc.wait(timeout=60) == 0
+    assert KEY not in server.log.read_text()
