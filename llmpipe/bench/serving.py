@@ -119,7 +119,6 @@ class LocalServer:
         self.url = ""
 
     def __enter__(self) -> LocalServer:
-        import httpx
 
         port = _free_port()
         self.url = f"http://127.0.0.1:{port}"
@@ -130,6 +129,15 @@ class LocalServer:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        try:
+            return self._wait_ready()
+        except BaseException:  # not ready (it died, a Ctrl-C): nothing started here outlives the caller
+            self.__exit__()
+            raise
+
+    def _wait_ready(self) -> LocalServer:
+        import httpx
+
         while True:
             if self.proc.poll() is not None:
                 tail = self.log_path.read_text(errors="replace").strip().splitlines()[-1:] or ["(no output)"]
