@@ -174,6 +174,18 @@ def check_model(cfg: RunConfig) -> None:
     if cfg.export.ort_graph and not cfg.consolidate.hf_layout:
         raise ConfigError("export.ort_graph: the builder reads consolidate's hf/ folder (set consolidate.hf_layout: "
                           "true)")
+    if cfg.export.ort_graph:  # the builder quantizes int4 / int8w's ORT-optimised graphs at these settings
+        from llmpipe.export.fused import BUILDER_BLOCK_SIZES, ORT_VARIANTS
+
+        for name in (n for n in ORT_VARIANTS if n in cfg.benchmark.variants):
+            q = getattr(cfg.benchmark.quantize, name)
+            if q.bits in (4, 8) and q.block_size not in BUILDER_BLOCK_SIZES:
+                raise ConfigError(f"benchmark.quantize.{name}.block_size={q.block_size}: onnxruntime-genai's "
+                                  f"builder, which makes {name}'s ORT-optimised graph (export.ort_graph), takes "
+                                  f"{', '.join(map(str, BUILDER_BLOCK_SIZES))}")
+            if q.bits in (4, 8) and q.accuracy_level == 0:
+                raise ConfigError(f"benchmark.quantize.{name}.accuracy_level=0: onnxruntime-genai's builder, which "
+                                  f"makes {name}'s ORT-optimised graph (export.ort_graph), takes 1 to 4")
     if cfg.model.init_from:  # Mistral's sliding window equals full attention only within the window
         from llmpipe.models.llama import hf, hf_files
 

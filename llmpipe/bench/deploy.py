@@ -1,8 +1,12 @@
 """The deployment half of the benchmark stage: which engines exist (PyTorch eager, onnxruntime
-variants with the static decoder, fp32 on the CPU through export_onnx's ORT-optimised graph when it
-wrote one, OM models through ais_bench), their generation numbers
-(llmpipe.bench.llm), and their quality on validation text along the parity chain with the gates
-of benchmark.quality (llmpipe.bench.quality).
+variants with the static decoder, OM models through ais_bench, and on the CPU the ORT-optimised graphs:
+fp32 through export_onnx's ort/, int4 / int8w through the builder's weight-only graphs of
+benchmark/variants/<name>/ort/), their generation numbers (llmpipe.bench.llm), and their quality on
+validation text along the parity chain with the gates of benchmark.quality (llmpipe.bench.quality).
+
+A variant with an ORT-optimised graph is deployed through it on the CPU (generate, the benchmark's
+generation rows, evaluate): its gates judge that graph, and its portable graphs too (what other providers
+and ATC's path run); it passes only when both do.
 """
 
 from __future__ import annotations
@@ -56,17 +60,23 @@ class Models:
     om: OmModels | None = None
     om_reason: str | None = None  # why there are no OM numbers
     requested: list[str] = field(default_factory=list)
-    ort_graph: Path | None = None  # export_onnx's ort/ folder (export.ort_graph): fp32 on the CPU runs it
+    # variant -> its ORT-optimised graph folder (llmpipe.export.fused): what the CPU runs for it
+    fused: dict[str, Path] = field(default_factory=dict)
+
+
+def _fused_engine(m: Models, name: str, provider: OrtProvider, cache_len: int | None = None):
+    from llmpipe.infer.fused import FusedEngine, GraphConfig
+
+    folder = m.fused[name]
+    return FusedEngine(create_session(folder / "model.onnx", provider, m.threads), GraphConfig.read(folder),
+                       cache_len or m.cache_len or m.args.max_seq_len)
 
 
 def _ort_engine(m: Models, name: str, provider: OrtProvider):
-    """fp32 on the CPU: FusedEngine over export_onnx's ort/ graph when there is one; else StaticEngine over the
-    variant's prefill graph and static decoder."""
-    if name == "fp32" and m.ort_graph is not None and provider == device.ort_providers(["cpu"])[0]:
-        from llmpipe.infer.fused import FusedEngine, GraphConfig
-
-        return FusedEngine(create_session(m.ort_graph / "model.onnx", provider, m.threads),
-                           GraphConfig.read(m.ort_graph), m.cache_len)
+    """On the CPU, FusedEngine over the variant's ORT-optimised graph when it has one; else StaticEngine over
+    the variant's prefill graph and static decoder."""
+    if name in m.fused and provider == device.ort_providers(["cpu"])[0]:
+        return _fused_engine(m, name, provider)
     prefill, static = m.prefill[name], m.static[name]
     for v in (prefill, static):
         if v.error:
@@ -141,6 +151,12 @@ def _logits_ort(v: Variant, threads: int, ids: np.ndarray) -> np.ndarray:
     return np.concatenate([session.run(["logits"], {"input_ids": ids[i:i + 4]})[0] for i in range(0, len(ids), 4)])
 
 
+def _logits_fused(m: Models, name: str, ids: np.ndarray) -> np.ndarray:
+    """The prompt pass of the variant's ORT-optimised graph over each row of `ids` (FusedEngine.prompt)."""
+    engine = _fused_engine(m, name, device.ort_providers(["cpu"])[0], max(m.cache_len or 0, ids.shape[1]))
+    return np.concatenate([engine.prompt(ids[i:i + 4]) for i in range(0, len(ids), 4)])
+
+
 def _logits_om(m: Models, ids: np.ndarray) -> np.ndarray:
     """OM prefill, one row at a time (it is compiled for batch 1), padded to a gear."""
     engine = _om_engine(m)
@@ -213,18 +229,38 @@ def quality_results(m: Models, val_bin: Path, train_dir: Path, cfg: BenchmarkSec
     else:
         hop = ("OM", None, m.om_reason or "no OM model")
     hops.append(hop)
+    # the ORT-optimised graphs, each made from the consolidated weights by the builder: what the CPU deploys
+    # for the variant, so its metrics become the variant's (the portable graphs' kept beside, both judged)
+    branches = {f"ONNX {n}": "ONNX fp32" for n in BRANCHES}
+    portable: dict[str, dict] = {}
+    for name in [n for n in per_variant if n in m.fused]:
+        hop = _hop(f"ORT graph {name}", partial(_logits_fused, m, name, ids))
+        hops.append(hop)
+        branches[hop[0]] = "consolidated weights (torch fp32)"
+        if hop[1] is None:
+            raise StageError(f"benchmark: {name}'s ORT-optimised graph ({m.fused[name]}) could not score the "
+                             f"validation text: {hop[2]}")
+        portable[name] = per_variant[name]
+        per_variant[name] = {**quality.text_metrics(ids, ref, hop[1]), "graph": "ORT-optimised",
+                             "portable": portable[name]}
     for name, agree in _continuations(m, ids, q).items():
         if name in per_variant:
             per_variant[name]["continuation"] = agree
     verdicts = quality.judge(per_variant, q, sequences=len(ids))
+    # a variant deployed through its ORT-optimised graph passes only when its portable graphs pass too
+    for i, v in enumerate(verdicts):
+        if v.variant in portable:
+            metrics, graph = (portable[v.variant], "portable graphs") if v.passed else \
+                (per_variant[v.variant], "ORT-optimised graph")
+            verdicts[i] = quality.judge({v.variant: metrics}, q, len(ids), graph=graph)[0]
     rejected = quality.enforce_gates(verdicts, q.enforce)
     for v in verdicts:
         per_variant[v.variant]["verdict"] = "accepted" if v.passed else "rejected"
         if not v.passed:
             per_variant[v.variant]["rejected_because"] = v.message()
     # NOTE: the quantised variants are each made from the fp32 graph: their step is from ONNX fp32, not
-    # from the variant listed before them.
-    rows = quality.chain_rows(ids, hops, {f"ONNX {n}": "ONNX fp32" for n in BRANCHES})
+    # from the variant listed before them; the ORT graphs are each made from the consolidated weights.
+    rows = quality.chain_rows(ids, hops, branches)
     return {"samples": int(len(ids)), "seq_len": int(T), "variants": per_variant, "rejected": rejected,
             "chain": rows, "chain_markdown": quality.chain_markdown(rows)}
 
@@ -237,6 +273,11 @@ def quality_markdown(qr: dict[str, Any]) -> str:
     for name, r in qr["variants"].items():
         cont = r.get("continuation", {})
         agree = f"{cont['token_agreement']:.3f}" if "token_agreement" in cont else "-"
-        lines.append(f"| {name} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.3f}% | {r['kl']:.2e} | "
+        shown = f"{name} (ORT-optimised graph)" if r.get("graph") else name
+        lines.append(f"| {shown} | {r['ppl']:.3f} | {100 * r['ppl_increase']:+.3f}% | {r['kl']:.2e} | "
                      f"{r['top1']:.4f} | {agree} | {r.get('verdict', '-')} |")
+        if "portable" in r:
+            p = r["portable"]
+            lines.append(f"| {name} (portable graphs) | {p['ppl']:.3f} | {100 * p['ppl_increase']:+.3f}% | "
+                         f"{p['kl']:.2e} | {p['top1']:.4f} | - | {r.get('verdict', '-')} |")
     return "\n".join(lines) + "\n\nParity chain:\n\n" + qr["chain_markdown"]

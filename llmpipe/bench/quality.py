@@ -131,6 +131,7 @@ class Verdict:
     value: float | None = None
     limit: float | None = None
     sequences: int | None = None  # validation sequences the value was measured on
+    graph: str | None = None  # which of the variant's graphs, when it has more than one (ORT-optimised, portable)
 
     def message(self) -> str:
         """One line for a failure: what broke, by how much, and the field to change."""
@@ -138,24 +139,26 @@ class Verdict:
         shown = f"{self.value:+.2%}" if self.metric == "max_ppl_increase" else f"{self.value:.4f}"
         op = (">" if upper else "<") if math.isfinite(self.value) else "is not finite, limit"
         on = f"on {self.sequences} validation sequences; " if self.sequences is not None else ""
-        return (f"benchmark: {self.variant} fails its quality gate: {words} {shown} {op} "
+        which = f" ({self.graph})" if self.graph else ""
+        return (f"benchmark: {self.variant}{which} fails its quality gate: {words} {shown} {op} "
                 f"benchmark.quality.{self.variant}.{self.metric}={self.limit:g} "
                 f"({on}relax the limit or set benchmark.quality.enforce: false)")
 
 
 def judge(metrics: dict[str, dict[str, float]], quality: QualitySection,
-          sequences: int | None = None) -> list[Verdict]:
+          sequences: int | None = None, graph: str | None = None) -> list[Verdict]:
     """One Verdict per variant of `metrics` (name -> text_metrics), in order, against its section of
-    `quality`; a variant without one (torch) passes. A non-finite value (NaN logits) fails any limit."""
+    `quality`; a variant without one (torch) passes. A non-finite value (NaN logits) fails any limit.
+    `graph`: which of the variants' graphs these metrics are of (named in a failure's message)."""
     verdicts = []
     for variant, m in metrics.items():
         gate = getattr(quality, variant, None)
-        verdict = Verdict(variant, True, sequences=sequences)
+        verdict = Verdict(variant, True, sequences=sequences, graph=graph)
         if isinstance(gate, GateSection):
             for field, (key, _, upper) in _LIMITS.items():
                 limit, value = getattr(gate, field), float(m[key])
                 if limit is not None and (not math.isfinite(value) or (value > limit if upper else value < limit)):
-                    verdict = Verdict(variant, False, field, value, float(limit), sequences)
+                    verdict = Verdict(variant, False, field, value, float(limit), sequences, graph)
                     break
         verdicts.append(verdict)
     return verdicts

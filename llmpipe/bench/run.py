@@ -43,6 +43,7 @@ from llmpipe.stages import StageContext, StageError, StageResult
 log = logging.getLogger("llmpipe.bench")
 
 RESULTS_FILE, TABLE_FILE, PLOT_FILE, VARIANTS_DIR = "results.json", "results.md", "latency.png", "variants"
+ORT_SUBDIR = "ort"  # variants/<name>/ort/: the variant's ORT-optimised graph (int4, int8w; llmpipe.export.fused)
 TTFT_PLOT, TPOT_PLOT = "ttft.png", "tpot.png"
 TORCH = "torch"  # the variant name of the PyTorch eager fp32 baseline rows
 ORDER = (TORCH, "fp32", "fp16", "int8", "int8w", "int8s", "int4")
@@ -419,10 +420,37 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int, calib:
         static = make_variants(path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, filename=STATIC_FILE,
                                quantize=cfg.quantize, calibration=reader)
     om, om_reason = om_models(ctx)
-    ort_graph = ctx.input_path("export_onnx", "ort_graph/model.onnx").parent \
-        if "ort_graph/model.onnx" in export.outputs else None
     return Models(args, torch_model, variants, static, export.metrics.get("static_decoder_cache_len"), threads,
-                  om, om_reason, list(cfg.variants), ort_graph)
+                  om, om_reason, list(cfg.variants), ort_graphs(ctx))
+
+
+def ort_graphs(ctx: StageContext) -> dict[str, Path]:
+    """Variant -> its ORT-optimised graph folder, when export_onnx wrote ort/ (export.ort_graph): fp32 that
+    ort/; int4 / int8w (when requested) the builder's weight-only graph of consolidate's hf/ at
+    benchmark.quantize's settings (MatMulNBits, the same bits, block size, accuracy level and symmetry as
+    their portable graphs), written to variants/<name>/ort/. A builder failure fails the stage (one line,
+    its log named): the fp32 graph of the same builder has already run in export_onnx."""
+    from llmpipe.export import fused
+
+    export = ctx.inputs["export_onnx"][1]
+    if "ort_graph/model.onnx" not in export.outputs:
+        return {}
+    out = {"fp32": ctx.input_path("export_onnx", "ort_graph/model.onnx").parent}
+    cfg = ctx.cfg.benchmark
+    folder, manifest = ctx.inputs["consolidate"]
+    hf = manifest.path(folder, "hf/config.json").parent
+    for name in fused.ORT_VARIANTS:
+        options = fused.weight_only_options(getattr(cfg.quantize, name)) if name in cfg.variants else None
+        if options is None:
+            continue
+        t0 = time.perf_counter()
+        try:
+            out[name] = fused.build(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, *options).parent
+        except StageError as err:
+            raise StageError(f"benchmark: the {name} variant's {err}") from None
+        log.info("variant %s: ORT-optimised graph (the builder, %s, %s) in %.1fs", name, options[0],
+                 " ".join(f"{k}={v}" for k, v in options[1].items()), time.perf_counter() - t0)
+    return out
 
 
 def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:

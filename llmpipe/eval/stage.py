@@ -2,9 +2,11 @@
 
 The reference is the consolidated Hugging Face folder (hf/) through lm_eval's own HFLM (without hf/,
 consolidate.hf_layout false: the consolidated weights in PyTorch through llmpipe.eval.lm.EngineLM). Each
-variant of benchmark.variants runs through EngineLM over the graphs it is deployed as: export_onnx's
-model.onnx + decoder_static.onnx for fp32, the benchmark's variants/<v>/ for fp16 and int8 (checked against
-the decoder's contract first); with evaluate.torch also the weights in PyTorch eager. The tasks: see
+variant of benchmark.variants runs through EngineLM over the graphs it is deployed as on the CPU: its
+ORT-optimised graph where the run has one (fp32: export_onnx's ort/, int4 / int8w: the benchmark's
+variants/<v>/ort/; llmpipe.infer.fused.FusedEngine), else export_onnx's model.onnx + decoder_static.onnx for
+fp32 and the benchmark's variants/<v>/ for the others (checked against the decoder's contract first); with
+evaluate.torch also the weights in PyTorch eager. The tasks: see
 llmpipe.eval.tasks. Everything runs offline.
 
 Outputs: results.json (lm_eval's own output per model, untouched but for its per-sample logs, which are not
@@ -171,6 +173,17 @@ def variant_graphs(ctx: StageContext, name: str) -> tuple[Path, Path | None]:
     return prefill, decoder if f"variants/{name}/decoder_static.onnx" in bm.outputs else None
 
 
+def ort_graph(ctx: StageContext, name: str) -> Path | None:
+    """The variant's ORT-optimised graph folder (fp32: export_onnx's ort/; int4 / int8w: the benchmark's
+    variants/<name>/ort/), or None when the run has none."""
+    folder, manifest = ctx.inputs["export_onnx"]
+    if name == "fp32":
+        return manifest.path(folder, "ort_graph/model.onnx").parent if "ort_graph/model.onnx" in manifest.outputs \
+            else None
+    bench, bm = ctx.inputs["benchmark"]
+    return bench / "variants" / name / "ort" if f"variants/{name}/ort/model.onnx" in bm.outputs else None
+
+
 def engine_lm(ctx: StageContext, name: str, args, tokenizer, eos: int, prefix: int, stop_ids: list[int], e,
               threads: int | None):
     """EngineLM over variant `name` (fp32 / fp16 / int8 / torch)."""
@@ -194,6 +207,18 @@ def engine_lm(ctx: StageContext, name: str, args, tokenizer, eos: int, prefix: i
     cpu = device.ort_providers(["cpu"])[0]
     prefill_path, decoder_path = variant_graphs(ctx, name)
     length = ctx.inputs["export_onnx"][1].metrics.get("static_decoder_cache_len")
+    graph = ort_graph(ctx, name)
+    if graph is not None:  # what generate and the benchmark deploy for this variant on the CPU
+        from llmpipe.infer.fused import FusedEngine, GraphConfig, graph_problem
+
+        session = create_session(graph / "model.onnx", cpu, threads)
+        config = GraphConfig.read(graph)
+        problem = graph_problem(session, config, args)
+        if problem:
+            raise StageError(f"evaluate: {graph / 'model.onnx'}: not the ORT-optimised graph of this model: {problem}")
+        scorer = FusedEngine(session, config, args.max_seq_len)  # whole windows: up to the model's context
+        engine = FusedEngine(session, config, length if isinstance(length, int) and length > 0 else args.max_seq_len)
+        return EngineLM(name, tokenizer, scorer.prompt, engine, **kw)
     check_external_data(prefill_path)
     prefill = create_session(prefill_path, cpu, threads)
     _check_graph(prefill_path, prefill, "prefill", args, length or args.max_seq_len)

@@ -27,8 +27,22 @@ from pathlib import Path
 
 from llmpipe.errors import StageError
 
-PRECISIONS = ("fp32", "int4")
+PRECISIONS = ("fp32", "int4", "int8")
 BUILDER = "onnxruntime_genai.models.builder"
+# benchmark.variants whose weight-only quantization the builder applies itself (MatMulNBits at the run's
+# benchmark.quantize settings): the ORT-optimised graph of that variant, judged by its gates like any other
+ORT_VARIANTS = ("int4", "int8w")
+BUILDER_BLOCK_SIZES = (16, 32, 64, 128, 256)  # what the builder's MatMulNBits quantization takes
+
+
+def weight_only_options(section) -> tuple[str, dict[str, str]] | None:
+    """(builder precision, --extra_options) for a benchmark.quantize.<variant> section (WeightOnlySection), or
+    None when the builder cannot apply it (2 bits: only the portable graphs get that variant)."""
+    precision = {4: "int4", 8: "int8"}.get(section.bits)
+    if precision is None:
+        return None
+    return precision, {"block_size": str(section.block_size), "accuracy_level": str(section.accuracy_level),
+                       "is_symmetric": "true" if section.symmetric else "false"}
 
 
 def unavailable_reason() -> str | None:
@@ -39,9 +53,11 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", timeout_s: float = 3600) -> Path:
+def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", extra: dict[str, str] | None = None,
+          timeout_s: float = 3600) -> Path:
     """The builder's graph of the Hugging Face folder `hf_dir` at `precision` for onnxruntime's CPU
-    provider, in `out_dir` (written beside it first, then moved: never half there). Returns out_dir/model.onnx."""
+    provider, in `out_dir` (written beside it first, then moved: never half there). `extra`: the builder's
+    --extra_options (int4 / int8: block_size, accuracy_level, is_symmetric). Returns out_dir/model.onnx."""
     if precision not in PRECISIONS:
         raise StageError(f"ORT-optimised graph: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     reason = unavailable_reason()
@@ -54,6 +70,8 @@ def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", timeout_s: float
     log_path = tmp.with_name(out_dir.name + ".builder.log")
     argv = [sys.executable, "-m", BUILDER, "-i", str(hf_dir), "-o", str(tmp), "-p", precision, "-e", "cpu",
             "-c", str(tmp / "cache")]
+    if extra:
+        argv += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]
     with open(log_path, "wb") as out:
         try:
             # offline: the folder is local, and nothing (a tokenizer, a config) is to be fetched from a hub

@@ -360,6 +360,8 @@ def generate(engine, ids: np.ndarray, max_new_tokens: int,
     if T + max_new_tokens > engine.capacity + 1:  # the last token is picked, never fed back
         raise CapacityError(f"prompt of {T} tokens + {max_new_tokens} new tokens exceeds the context of "
                             f"{engine.capacity} tokens")
+    if hasattr(engine, "reserve"):  # an engine whose cache is sized to the work (FusedEngine)
+        engine.reserve(T + max_new_tokens - 1)
     out = []
     t0 = time.perf_counter()
     logits = engine.start(ids)

@@ -9,7 +9,8 @@ The run's tokenizer (consolidate's tokenizer.json) and one model variant:
     fp16    the benchmark stage's FP16 variants of both graphs (benchmark/variants/fp16/)
     int8    the benchmark stage's dynamic-INT8 variants (benchmark/variants/int8/)
     int4 / int8w / int8s  the benchmark stage's weight-only int4 / int8 (MatMulNBits) and static
-            calibrated int8 variants (benchmark/variants/<name>/; benchmark.quantize)
+            calibrated int8 variants (benchmark/variants/<name>/; benchmark.quantize); int4 and int8w
+            through their ORT-optimised graph (benchmark/variants/<name>/ort/) when the run has one
     om      convert_om's model.om + decoder.om through ais_bench (where CANN and an NPU exist)
 
 Every file read is first checked against its stage's manifest (size and sha256), and every graph
@@ -41,6 +42,7 @@ import numpy as np
 
 from llmpipe.config import ConfigError
 from llmpipe.errors import UserError
+from llmpipe.export.fused import ORT_VARIANTS
 
 VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
 ORT_GRAPH = "ort_graph/model.onnx"  # export_onnx's ORT-optimised graph (export.ort_graph), fp32 runs it
@@ -152,6 +154,12 @@ def open_run(run_dir: Path, variant: str, threads: int | None = None, ort_graph:
     if variant == "fp32" and ort_graph and ORT_GRAPH in manifest.outputs:
         return Loaded(_fused_engine(manifest.path(folder, ORT_GRAPH).parent, threads, args, length), tokenizer, eos,
                       f"onnxruntime fp32, ORT-optimised graph (export_onnx's ort/), KV cache of {length}")
+    if variant in ORT_VARIANTS and ort_graph:
+        bench, bm = _stage(run_dir, "benchmark", "results", f"the benchmark stage makes the {variant} variant")
+        if f"variants/{variant}/ort/model.onnx" in bm.outputs:
+            return Loaded(_fused_engine(bench / "variants" / variant / "ort", threads, args, length), tokenizer, eos,
+                          f"onnxruntime {variant}, ORT-optimised graph (benchmark/variants/{variant}/ort/), "
+                          f"KV cache of {length}")
     if variant == "fp32":
         prefill, decoder = manifest.path(folder, "model"), manifest.path(folder, "decoder_static")
     else:

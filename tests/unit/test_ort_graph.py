@@ -141,7 +141,8 @@ def test_the_benchmark_stage_runs_fp32_on_the_cpu_through_the_ort_graph(built):
     from llmpipe.infer.decode import TorchEngine, generate
 
     run, model, _ = built
-    m = deploy.Models(ARGS, model, {}, {}, 64, 1, requested=["fp32"], ort_graph=stage_dir(run, "export_onnx") / "ort")
+    m = deploy.Models(ARGS, model, {}, {}, 64, 1, requested=["fp32"],
+                      fused={"fp32": stage_dir(run, "export_onnx") / "ort"})
     engine = deploy._ort_engine(m, "fp32", export.device.ort_providers(["cpu"])[0])
     assert isinstance(engine, FusedEngine)
     ids = np.random.default_rng(5).integers(0, ARGS.vocab_size, (2, 7))
@@ -169,3 +170,153 @@ def test_serve_opens_the_portable_graphs_whose_rows_it_batches_at_their_own_posi
     loaded = open_run(run, "fp32", 1, ort_graph=False)
     assert isinstance(loaded.engine, StaticEngine)
     assert _slots(loaded, 4)[1] == "continuous batching over the static decoder's rows"
+
+
+# ---- int4 / int8w through the builder's weight-only graphs (the benchmark stage, generate) ----------------
+
+
+@pytest.fixture(scope="module")
+def benched(built, tmp_path_factory):
+    """The benchmark stage of the built run with fp32, int4 and int8w (gates not enforced), published as the
+    pipeline publishes it: (run folder, results, stage context)."""
+    from llmpipe.bench import run as bench
+    from tests.unit.test_bench import LLM, QUALITY, _inputs
+
+    run, _, _ = built
+    root = tmp_path_factory.mktemp("ortbench")
+    inputs = _inputs(root)  # prepare_data's validation shard, train's checkpoint of the same debug model
+    for name in ("consolidate", "export_onnx"):
+        folder = stage_dir(run, name)
+        inputs[name] = (folder, Manifest.read(folder))
+    cfg = from_dict({"run": {"name": "t", "artifacts_dir": str(root / "artifacts")}, "data": {"inputs": ["x"]},
+                     "export": {"ort_graph": True},
+                     "benchmark": {"variants": ["fp32", "int4", "int8w"], "shapes": [[1, 16]], "warmup": 1, "iters": 2,
+                                   "threads": 1, "llm": LLM, "torch_baseline": False,
+                                   "quality": {**QUALITY, "enforce": False}}})
+    work = stage_dir(run, "benchmark")
+    work.mkdir()
+    ctx = StageContext(cfg, "benchmark", run, work, inputs, "fp")
+    result = bench.run(ctx)
+    Manifest("benchmark", "completed", "fp", _expand_outputs(work, result.outputs), metrics=result.metrics).write(work)
+    return run, json.loads((work / bench.RESULTS_FILE).read_text()), ctx
+
+
+def _matmulnbits_bits(path: Path) -> set[int]:
+    graph = onnx.load(str(path), load_external_data=False).graph
+    return {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+
+
+def test_int4_and_int8w_get_the_builders_weight_only_graph_at_the_runs_settings(benched):
+    run, _, _ = benched
+    for name, bits in (("int4", 4), ("int8w", 8)):
+        path = stage_dir(run, "benchmark") / "variants" / name / "ort" / "model.onnx"
+        ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+        assert {"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization"} <= ops, name
+        assert _matmulnbits_bits(path) == {bits}, name
+        assert (stage_dir(run, "benchmark") / "variants" / name / "model.onnx").is_file()  # the portable one stays
+
+
+# Measured on the debug model (random weights, 4 x 16 validation tokens): the builder's int4 graph's logits
+# are within 0.39 of torch fp32, int8w's within 0.04 (the portable graphs': 0.39 / 0.037); ~2.5x room.
+TOLERANCE = {"int4": 1.0, "int8w": 0.1}
+
+
+def test_the_gates_judge_the_ort_graph_each_variant_deploys_and_keep_the_portable_ones_beside(benched):
+    run, results, _ = benched
+    q = results["quality"]
+    for name in ("fp32", "int4", "int8w"):
+        r = q["variants"][name]
+        assert r["graph"] == "ORT-optimised" and set(r["portable"]) >= {"ppl", "top1", "kl"}, name
+        assert r["verdict"] in ("accepted", "rejected")
+        assert r["max_abs_diff"] < TOLERANCE.get(name, 1e-4), (name, r["max_abs_diff"])
+    assert q["variants"]["fp32"]["top1"] == 1.0 and q["variants"]["fp32"]["continuation"]["token_agreement"] == 1.0
+    hops = {h["name"]: h for h in q["chain"]}
+    assert hops["ORT graph int4"]["prev"] == "consolidated weights (torch fp32)"
+    table = (stage_dir(run, "benchmark") / "results.md").read_text()
+    assert "| int4 (ORT-optimised graph) |" in table and "| int4 (portable graphs) |" in table
+
+
+def test_the_generation_rows_and_generate_run_int4_through_its_ort_graph(benched):
+    run, results, _ = benched
+    rows = [r for r in results["llm"]["decode"] if r["variant"] == "int4"]
+    assert rows and all(r["decode_tokens_per_s"] for r in rows)
+    out = io.StringIO()
+    stats = run_generate(run, "def main", 8, variant="int4", threads=1, out=out)
+    assert "[onnxruntime int4, ORT-optimised graph (benchmark/variants/int4/ort/), KV cache of 64]" in out.getvalue()
+    assert len(stats["tokens"]) == 8
+
+
+def test_an_ort_graph_beyond_its_gate_fails_in_one_line_naming_that_graph(benched):
+    from llmpipe.bench import deploy
+    from tests.unit.test_bench import QUALITY
+
+    run, results, ctx = benched
+    top1 = results["quality"]["variants"]["int4"]["top1"]
+    cfg = from_dict({"data": {"inputs": ["x"]}, "benchmark": {"variants": ["fp32", "int4"], "quality": {
+        **QUALITY, "enforce": True, "int4": {"min_top1": 1.0}}}}).benchmark
+    model = Transformer(ARGS)
+    model.init_weights(seed=0)
+    bench_dir = stage_dir(run, "benchmark")
+    variants = {"fp32": deploy.Variant("fp32", stage_dir(run, "export_onnx") / "model.onnx"),
+                "int4": deploy.Variant("int4", bench_dir / "variants" / "int4" / "model.onnx")}
+    m = deploy.Models(ARGS, model.eval(), variants, {}, 64, 1, requested=["fp32", "int4"],
+                      fused={"fp32": stage_dir(run, "export_onnx") / "ort",
+                             "int4": bench_dir / "variants" / "int4" / "ort"})
+    with pytest.raises(StageError) as err:
+        deploy.quality_results(m, ctx.input_path("prepare_data", "val_bin"), ctx.inputs["train"][0], cfg, 16,
+                               ctx.cfg.run.seed)
+    assert str(err.value).startswith(f"benchmark: int4 (ORT-optimised graph) fails its quality gate: top-1 "
+                                     f"agreement {top1:.4f} < benchmark.quality.int4.min_top1=1 ")
+
+
+@pytest.mark.parametrize(("quantize", "message"), [
+    ({"int4": {"block_size": 512}}, "benchmark.quantize.int4.block_size=512: onnxruntime-genai's builder, which "
+                                    "makes int4's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, 128, 256"),
+    ({"int8w": {"accuracy_level": 0}}, "benchmark.quantize.int8w.accuracy_level=0: onnxruntime-genai's builder, "
+                                       "which makes int8w's ORT-optimised graph (export.ort_graph), takes 1 to 4"),
+])
+def test_a_setting_the_builder_cannot_apply_is_refused_when_the_config_loads(tmp_path, quantize, message):
+    from llmpipe.config import ConfigError
+
+    tree = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+            "export": {"ort_graph": True}, "benchmark": {"variants": ["fp32", "int4", "int8w"], "quantize": quantize}}
+    with pytest.raises(ConfigError) as err:
+        from_dict(tree)
+    assert str(err.value) == f"config: {message}"
+    from_dict({**tree, "export": {"ort_graph": False}})  # the portable graphs alone take it
+
+
+def test_the_engine_sizes_its_cache_to_the_work_and_grows_past_it_as_pytorch_decodes(built):
+    run, model, _ = built
+    folder = stage_dir(run, "export_onnx") / "ort"
+    cpu = export.device.ort_providers(["cpu"])[0]
+    engine = FusedEngine(create_session(folder / "model.onnx", cpu, 1), GraphConfig.read(folder), 64)
+    ids = np.random.default_rng(4).integers(0, ARGS.vocab_size, (2, 6))
+    ref, _ = greedy_reference(model, ids, 20)
+    engine.reserve(9)  # fewer slots than the 25 used: the buffers double twice (9 -> 18 -> 36)
+    tokens = [engine.start(ids).argmax(-1)]
+    assert engine._now.buffers[0].shape[2] == 9
+    for _ in range(19):
+        tokens.append(engine.step(tokens[-1]).argmax(-1))
+    assert engine._now.buffers[0].shape[2] == 36
+    assert (np.stack(tokens, axis=1) == ref).all()
+
+
+def test_evaluate_scores_fp32_and_int4_through_their_ort_graphs_as_it_scores_pytorch(benched, tmp_path):
+    from llmpipe.data.tokenizer import load_tokenizer
+    from llmpipe.eval.stage import engine_lm
+    from tests.unit.test_eval_lm import PAIRS, _requests
+
+    run, _, bctx = benched
+    inputs = {n: (stage_dir(run, n), Manifest.read(stage_dir(run, n))) for n in ("consolidate", "export_onnx",
+                                                                                 "benchmark")}
+    ctx = StageContext(bctx.cfg, "evaluate", run, tmp_path, inputs, "fp")
+    tokenizer = load_tokenizer(stage_dir(run, "consolidate") / model_io.TOKENIZER)
+    lms = {n: engine_lm(ctx, n, ARGS, tokenizer, 0, 0, [], bctx.cfg.evaluate, 1) for n in ("torch", "fp32", "int4")}
+    assert isinstance(lms["fp32"].engine, FusedEngine) and isinstance(lms["int4"].engine, FusedEngine)
+    scores = {n: np.array([x for x, _ in lm.loglikelihood(_requests("loglikelihood", PAIRS))]) for n, lm in lms.items()}
+    assert np.abs(scores["fp32"] - scores["torch"]).max() <= 1e-4
+    assert 0 < np.abs(scores["int4"] - scores["torch"]).max() < 5.0  # int4 moves them, within reason
+    gen = [("def main", {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": False})]
+    assert lms["fp32"].generate_until(_requests("generate_until", gen)) == \
+        lms["torch"].generate_until(_requests("generate_until", gen))
