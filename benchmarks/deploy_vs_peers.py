@@ -6,9 +6,12 @@ For each flavor (random weights, seeded: timing does not depend on the values; o
 consolidated hf/ folder) the weights are written as consolidate writes hf/, then:
 
 - genai fp32 / genai int4: onnxruntime-genai's model builder (`python -m onnxruntime_genai.models.builder
-  -i hf/ -p fp32|int4 -e cpu`) and onnxruntime-genai's own runtime (og.Generator), greedy;
-- llmpipe fused fp32 / fused int4: the same builder graphs driven by llmpipe.infer.fused.FusedEngine
-  through a plain onnxruntime session (the cache one buffer bound in place);
+  -i hf/ -p fp32|int4 -e cpu`, its defaults) and onnxruntime-genai's own runtime (og.Generator), greedy;
+- llmpipe fused fp32 / fused int4 / fused int8w: what the pipeline deploys on the CPU for fp32, int4 and
+  int8w (export_onnx's ort/, the benchmark's variants/<name>/ort/): the builder's graphs at
+  benchmark.quantize's default settings (the ones the demo gates: int4 asymmetric blocks of 32, int8w
+  8 bits), driven by llmpipe.infer.fused.FusedEngine through a plain onnxruntime session (the cache one
+  buffer bound in place, sized to the generation);
 - llmpipe static fp32 / static int8: export_onnx's portable graphs (model.onnx + decoder_static.onnx, a
   --cache slot cache) in StaticEngine, int8 the benchmark stage's dynamic-int8 variant of both;
 - torch: PyTorch eager with its KV cache (TorchEngine), fp32.
@@ -16,7 +19,10 @@ consolidated hf/ folder) the weights are written as consolidate writes hf/, then
 Measured, as llmpipe.infer.decode.generate defines them: decode tokens/s (batch * (n - 1) / time after
 the first token: the first token excluded) at batch 1 and 8 from a --decode-prompt prompt, --new-tokens
 tokens; time to first token at prompt 128 and 512 (batch 1). The same prompt ids for every engine, the
-same intra-op threads (--threads; torch.set_num_threads too), greedy. Engines take turns within each
+same intra-op threads (--threads; torch.set_num_threads too), greedy. The physical bound beside each
+onnxruntime engine: the weight bytes a decode step reads (every initializer but those only gathered from,
+the embedding table) / the memory bandwidth measured here on --threads threads (numpy reading a 1 GiB
+array, best of 5): the tokens/s at batch 1 no engine can beat on this machine. Engines take turns within each
 repeat (the order reversed every other repeat), and the best of --repeats is kept. Greedy tokens are
 compared with PyTorch's at batch 1 (a check that every engine decodes the same model; fp32 engines must
 agree, int8/int4 may drift on random weights, whose logits are close together).
@@ -39,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe import device  # noqa: E402
+from llmpipe.config import QuantizeSection  # noqa: E402
 from llmpipe.export import fused  # noqa: E402
 from llmpipe.export.onnx import export_prefill, export_static_decoder  # noqa: E402
 from llmpipe.infer.decode import StaticEngine, TorchEngine, generate  # noqa: E402
@@ -60,7 +67,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-prompt", type=int, default=128)
     p.add_argument("--ttft-prompts", default="128,512")
     p.add_argument("--batches", default="1,8")
-    p.add_argument("--engines", default="torch,static-fp32,static-int8,fused-fp32,fused-int4,genai-fp32,genai-int4")
+    p.add_argument("--engines", default="torch,static-fp32,static-int8,fused-fp32,fused-int4,fused-int8w,genai-fp32,"
+                   "genai-int4")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
     a.ttft_prompts = [int(x) for x in a.ttft_prompts.split(",")]
@@ -81,7 +89,7 @@ class GenaiRunner:
         config = og.Config(str(folder))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
             "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
-        self.model = og.Model(config)
+        self.model, self.graph = og.Model(config), None
 
     def generate(self, ids: np.ndarray, n: int) -> tuple[np.ndarray, float, float | None]:
         """(tokens (B, n), TTFT s, decode tokens/s with the first token excluded)."""
@@ -109,7 +117,7 @@ class EngineRunner:
     """An llmpipe engine (start/step) timed by decode.generate, greedy."""
 
     def __init__(self, make: Callable[[], object]):
-        self.engine = make()
+        self.engine, self.graph = make(), None  # graph: the decode step's ONNX file, for its weight bytes
 
     def generate(self, ids: np.ndarray, n: int) -> tuple[np.ndarray, float, float | None]:
         g = generate(self.engine, ids, n)
@@ -148,19 +156,65 @@ def runners(model: Transformer, hf: Path, a: argparse.Namespace, folder: Path) -
                 prefill, decoder = folder / "int8" / "model.onnx", folder / "int8" / "decoder_static.onnx"
             out[name] = EngineRunner(lambda p=prefill, d=decoder: StaticEngine(
                 create_session(p, cpu, a.threads), create_session(d, cpu, a.threads), model.args, a.cache))
-    for precision in fused.PRECISIONS:
-        wanted = [e for e in (f"fused-{precision}", f"genai-{precision}") if e in a.engines]
-        if not wanted:
-            continue
+    quantize = QuantizeSection()  # the pipeline's defaults: what its int4 / int8w variants are built with
+    builds = {"genai-fp32": ("fp32", None), "genai-int4": ("int4", None), "fused-fp32": ("fp32", None),
+              "fused-int4": fused.weight_only_options(quantize.int4),
+              "fused-int8w": fused.weight_only_options(quantize.int8w)}
+    for name in [e for e in a.engines if e in builds]:
+        precision, extra = builds[name]
         t0 = time.perf_counter()
-        built = fused.build(hf, folder / f"genai-{precision}", precision).parent
-        print(f"  builder {precision}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-        if f"fused-{precision}" in wanted:
-            out[f"fused-{precision}"] = EngineRunner(lambda b=built: FusedEngine(
+        built = fused.build(hf, folder / name, precision, extra).parent
+        print(f"  builder {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+        if name.startswith("genai-"):
+            out[name] = GenaiRunner(built, a.threads)
+        else:
+            out[name] = EngineRunner(lambda b=built: FusedEngine(
                 create_session(b / "model.onnx", cpu, a.threads), GraphConfig.read(b), a.cache))
-        if f"genai-{precision}" in wanted:
-            out[f"genai-{precision}"] = GenaiRunner(built, a.threads)
+        out[name].graph = built / "model.onnx"
+    if "static-fp32" in out:
+        out["static-fp32"].graph = folder / "decoder_static.onnx"
+    if "static-int8" in out:
+        out["static-int8"].graph = folder / "int8" / "decoder_static.onnx"
     return {name: out[name] for name in a.engines if name in out}
+
+
+def step_weight_bytes(path: Path) -> int:
+    """Bytes of the initializers a decode step reads: all of them but those only gathered from (the embedding
+    table, of which a step reads one row per token)."""
+    import onnx
+
+    model = onnx.load(str(path), load_external_data=False)
+    graph = model.graph
+    users: dict[str, set[str]] = {}
+    for node in graph.node:
+        for name in node.input:
+            users.setdefault(name, set()).add(node.op_type)
+    total = 0
+    for init in graph.initializer:
+        if users.get(init.name) == {"Gather"}:
+            continue
+        count = int(np.prod(init.dims)) if init.dims else 1
+        bits = {onnx.TensorProto.FLOAT: 32, onnx.TensorProto.FLOAT16: 16, onnx.TensorProto.INT8: 8,
+                onnx.TensorProto.UINT8: 8, onnx.TensorProto.INT64: 64, onnx.TensorProto.INT32: 32,
+                onnx.TensorProto.INT4: 4, onnx.TensorProto.UINT4: 4}.get(init.data_type, 32)
+        total += count * bits // 8
+    return total
+
+
+def memory_bandwidth(threads: int, gib: float = 1.0, repeats: int = 5) -> float:
+    """Bytes/s numpy reads from memory on `threads` threads (a sum over a `gib` GiB float32 array, split over the
+    threads; best of `repeats`): what a bandwidth-bound decode step can get."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    data = np.ones(int(gib * 2**30) // 4, np.float32)
+    parts = np.array_split(data, threads)
+    best = float("inf")
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            list(pool.map(np.sum, parts))  # numpy releases the GIL in the reduction
+            best = min(best, time.perf_counter() - t0)
+    return data.nbytes / best
 
 
 def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
@@ -192,7 +246,9 @@ def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
                 best[name][f"ttft_{t}"] = min(best[name][f"ttft_{t}"], eng[name].generate(ttft_ids[t], 1)[1])
         print(f"  {flavor} repeat {rep}: " + ", ".join(f"{n} {best[n]['decode_b1']:.0f} tok/s" for n in eng),
               file=sys.stderr, flush=True)
-    return {"params": model.args.num_params(), "best": best, "greedy_agreement_with_torch": agree}
+    weights = {name: step_weight_bytes(r.graph) for name, r in eng.items() if getattr(r, "graph", None)}
+    return {"params": model.args.num_params(), "best": best, "greedy_agreement_with_torch": agree,
+            "step_weight_bytes": weights}
 
 
 def _ratio(res: dict, num: str, den: str, key: str, invert: bool = False) -> str:
@@ -203,32 +259,46 @@ def _ratio(res: dict, num: str, den: str, key: str, invert: bool = False) -> str
     return f"{(y / x if invert else x / y):.2f}"
 
 
-def report(results: dict, a: argparse.Namespace) -> None:
+GATED = ("fused-int4", "fused-int8w", "fused-fp32")  # what the pipeline deploys for int4 / int8w / fp32 on the CPU
+
+
+def report(results: dict, a: argparse.Namespace, bandwidth: float) -> None:
     keys = [f"decode_b{b}" for b in a.batches] + [f"ttft_{t}" for t in a.ttft_prompts]
     print(f"\nonnxruntime CPU, {a.threads} thread(s), greedy, best of {a.repeats} (engines taking turns); decode: "
-          f"tokens/s after the first token, prompt {a.decode_prompt}, {a.new_tokens} new tokens; TTFT: ms, batch 1\n")
+          f"tokens/s after the first token, prompt {a.decode_prompt}, {a.new_tokens} new tokens; TTFT: ms, batch 1; "
+          f"bound: weight bytes per step / {bandwidth / 1e9:.1f} GB/s (numpy reading 1 GiB on {a.threads} "
+          "thread(s)), tokens/s at batch 1\n")
     print("| flavor | engine | " + " | ".join(k.replace("decode_b", "decode tok/s b").replace("ttft_", "TTFT ms p")
-                                          for k in keys) + " | greedy = torch |")
-    print("|---|---|" + "---|" * len(keys) + "---|")
+                                          for k in keys) + " | weights MB/step | bound tok/s | b1 / bound "
+                                                           "| greedy = torch |")
+    print("|---|---|" + "---|" * len(keys) + "---|---|---|---|")
     for flavor, res in results.items():
         for name, best in res["best"].items():
             cells = " | ".join(f"{best[k]:.1f}" if k.startswith("decode") else f"{1e3 * best[k]:.1f}" for k in keys)
             agree = res["greedy_agreement_with_torch"].get(name)
+            w = res["step_weight_bytes"].get(name)
+            bound = bandwidth / w if w else None
+            first = best.get(f"decode_b{a.batches[0]}")
             print(f"| {flavor} ({res['params'] / 1e6:.1f}M) | {name} | {cells} | "
+                  f"{'-' if not w else f'{w / 1e6:.1f}'} | {'-' if not bound else f'{bound:.1f}'} | "
+                  f"{'-' if not bound or not first else f'{first / bound:.2f}'} | "
                   f"{'-' if agree is None else f'{agree:.0%}'} |")
     print("\nratios (decode: llmpipe / peer, higher is better; TTFT: llmpipe / peer, lower is better):")
     for flavor, res in results.items():
         parts = []
         for b in a.batches:
-            parts.append(f"fused-int4/genai-int4 b{b} {_ratio(res, 'fused-int4', 'genai-int4', f'decode_b{b}')}")
-            parts.append(f"static-int8/genai-int4 b{b} {_ratio(res, 'static-int8', 'genai-int4', f'decode_b{b}')}")
-            parts.append(f"fused-fp32/genai-fp32 b{b} {_ratio(res, 'fused-fp32', 'genai-fp32', f'decode_b{b}')}")
-            parts.append(f"static-fp32/genai-fp32 b{b} {_ratio(res, 'static-fp32', 'genai-fp32', f'decode_b{b}')}")
-            parts.append(f"fused-fp32/torch b{b} {_ratio(res, 'fused-fp32', 'torch', f'decode_b{b}')}")
-            parts.append(f"static-fp32/torch b{b} {_ratio(res, 'static-fp32', 'torch', f'decode_b{b}')}")
+            key = f"decode_b{b}"
+            gated = [g for g in GATED if g in res["best"]]
+            if gated and "genai-int4" in res["best"]:
+                top = max(gated, key=lambda g: res["best"][g][key])
+                parts.append(f"fastest gated variant ({top})/genai-int4 b{b} {_ratio(res, top, 'genai-int4', key)}")
+            for num, den in (("fused-int4", "genai-int4"), ("fused-int8w", "genai-int4"), ("static-int8", "genai-int4"),
+                             ("fused-fp32", "genai-fp32"), ("static-fp32", "genai-fp32"), ("fused-fp32", "torch"),
+                             ("static-fp32", "torch")):
+                parts.append(f"{num}/{den} b{b} {_ratio(res, num, den, key)}")
         for t in a.ttft_prompts:
-            parts.append(f"TTFT p{t} fused-fp32/genai-fp32 {_ratio(res, 'fused-fp32', 'genai-fp32', f'ttft_{t}')}")
-            parts.append(f"TTFT p{t} static-fp32/genai-fp32 {_ratio(res, 'static-fp32', 'genai-fp32', f'ttft_{t}')}")
+            for num, den in (("fused-fp32", "genai-fp32"), ("fused-int4", "genai-int4"), ("static-fp32", "genai-fp32")):
+                parts.append(f"TTFT p{t} {num}/{den} {_ratio(res, num, den, f'ttft_{t}')}")
         print(f"  {flavor}:\n    " + "\n    ".join(parts))
 
 
@@ -239,16 +309,18 @@ def main(argv: list[str] | None = None) -> int:
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 1
+    bandwidth = memory_bandwidth(a.threads)
+    print(f"  memory bandwidth ({a.threads} thread(s)): {bandwidth / 1e9:.1f} GB/s", file=sys.stderr, flush=True)
     results = {}
     with tempfile.TemporaryDirectory(prefix="llmpipe-deploy-peers-") as tmp:
         for flavor in ([a.hf.name] if a.hf else a.flavors.split(",")):
             folder = Path(tmp) / flavor
             folder.mkdir()
             results[flavor] = measure(flavor, a, folder)
-    report(results, a)
+    report(results, a, bandwidth)
     if a.json:
-        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "results": results},
-                                     indent=2) + "\n")
+        a.json.write_text(json.dumps({"args": {k: str(v) for k, v in vars(a).items()}, "memory_bandwidth": bandwidth,
+                                      "results": results}, indent=2) + "\n")
     return 0
 
 

@@ -319,12 +319,48 @@ def ort_rows(s: Settings, root: Path) -> list[Row]:
             rows += [Row("ort_prefill_device_fp16", f"{acc}: prefill", "failed", first_line(err)),
                      Row("ort_decode_device_fp16", f"{acc}: decode", "failed", first_line(err))]
     rows += growing_rows(s, model, args, folder, plan, what)
-    rows.append(skipped("ort_optimised", "ORT optimised variant (fused attention, rotary, norms)",
-                        "not built yet (issue 25, item 1)"))
+    rows += optimised_rows(s, model, args, root, plan, what, provider, why)
     rows.append(torch_decode_row(s, model, plan, what))
     rows.append(generate_row(s, model, engines.get("device", engines["cpu"]),
                              f"{s.device.type} fp16" if "device" in engines else "cpu fp32"))
     return rows
+
+
+def optimised_rows(s: Settings, model, args, root: Path, plan, what: str, provider, why: str | None) -> list[Row]:
+    """The ORT-optimised graph (onnxruntime-genai's builder on the model's hf/ folder; fused attention over the
+    filled cache, rotary, norms) through FusedEngine: fp32 on the CPU provider, and fp16 on the accelerator's
+    provider (the builder's CUDA graph, the cache in the GPU's memory) where there is one. The builder writes
+    no graph for CANN: on an NPU that row says so."""
+    from llmpipe.data.tokenizer import train_tokenizer
+    from llmpipe.export import fused
+    from llmpipe.infer.fused import FusedEngine, GraphConfig
+    from llmpipe.infer.ort import create_session
+
+    check = "ORT optimised graph (builder: fused attention over the filled cache, rotary, norms)"
+    reason = fused.unavailable_reason()
+    if reason:
+        return [skipped("ort_optimised", check, reason)]
+    try:
+        hf = fused.write_hf_folder(model, root / "hf", train_tokenizer(["def main():\n    return 0\n"] * 20, 300))
+        cpu = device.ort_providers(["cpu"])[0]
+        built = fused.build(hf, root / "ort-cpu", "fp32").parent
+        engine = FusedEngine(create_session(built / "model.onnx", cpu, None), GraphConfig.read(built), s.cache)
+    except Exception as err:
+        return [Row("ort_optimised", f"{check}, cpu fp32", "failed", first_line(err))]
+    rows = measured_rows("optimised_cpu_fp32", f"{check}, cpu fp32, {what}", engine, plan)
+    acc = f"{check}, {s.device.type if s.accelerated else 'accelerator'} fp16, {what}"
+    if provider is None:
+        return rows + [skipped("ort_optimised_device", acc, why)]
+    if provider.name != "cuda":
+        return rows + [skipped("ort_optimised_device", acc, f"onnxruntime-genai's builder writes no graph for "
+                                                            f"{provider.name}; the NPU runs the portable graphs")]
+    try:
+        built = fused.build(hf, root / "ort-cuda", "fp16", provider="cuda").parent
+        engine = FusedEngine(create_session(built / "model.onnx", provider, None), GraphConfig.read(built), s.cache)
+    except Exception as err:
+        return rows + [Row("ort_optimised_device", acc, "failed", first_line(err))]
+    return rows + measured_rows("optimised_device_fp16", acc, engine, plan) + [
+        generate_row(s, model, engine, "cuda fp16, ORT-optimised graph", key="generate_optimised")]
 
 
 def growing_rows(s: Settings, model, args, folder: Path, plan, what: str) -> list[Row]:
@@ -388,7 +424,7 @@ def measured_rows(key: str, check: str, engine, plan) -> list[Row]:
                       {"rows": decode})]
 
 
-def generate_row(s: Settings, model, engine, label: str) -> Row:
+def generate_row(s: Settings, model, engine, label: str, key: str = "generate") -> Row:
     """`generate` (llmpipe.infer.decode) through the engine, greedy, against PyTorch fp32's KV-cache decoding."""
     from llmpipe.export.onnx import random_ids
     from llmpipe.infer.decode import TorchEngine, generate
@@ -400,10 +436,10 @@ def generate_row(s: Settings, model, engine, label: str) -> Row:
         got = generate(engine, prompt, s.new_tokens, greedy)
         ref = generate(TorchEngine(model), prompt, s.new_tokens, greedy).tokens[0]
     except Exception as err:
-        return Row("generate", check, "failed", first_line(err))
+        return Row(key, check, "failed", first_line(err))
     tokens = got.tokens[0]
     same = int(np.argmin(tokens == ref)) if not (tokens == ref).all() else len(ref)
-    return Row("generate", check, "ok", f"{len(tokens)} tokens, TTFT {got.ttft_s * 1e3:.1f} ms, "
+    return Row(key, check, "ok", f"{len(tokens)} tokens, TTFT {got.ttft_s * 1e3:.1f} ms, "
                                         f"{got.decode_tokens_per_s():,.0f} tokens/s; greedy tokens equal to PyTorch "
                                         f"fp32's for the first {same} of {len(ref)}",
                {"tokens": tokens.tolist(), "torch_tokens": ref.tolist(), "same_prefix": same})

@@ -27,7 +27,8 @@ from pathlib import Path
 
 from llmpipe.errors import StageError
 
-PRECISIONS = ("fp32", "int4", "int8")
+PRECISIONS = ("fp32", "fp16", "int4", "int8")
+PROVIDERS = ("cpu", "cuda")  # the builder's execution providers llmpipe drives (FusedEngine on either)
 BUILDER = "onnxruntime_genai.models.builder"
 # benchmark.variants whose weight-only quantization the builder applies itself (MatMulNBits at the run's
 # benchmark.quantize settings): the ORT-optimised graph of that variant, judged by its gates like any other
@@ -54,10 +55,13 @@ def unavailable_reason() -> str | None:
 
 
 def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", extra: dict[str, str] | None = None,
-          timeout_s: float = 3600) -> Path:
-    """The builder's graph of the Hugging Face folder `hf_dir` at `precision` for onnxruntime's CPU
-    provider, in `out_dir` (written beside it first, then moved: never half there). `extra`: the builder's
-    --extra_options (int4 / int8: block_size, accuracy_level, is_symmetric). Returns out_dir/model.onnx."""
+          timeout_s: float = 3600, provider: str = "cpu") -> Path:
+    """The builder's graph of the Hugging Face folder `hf_dir` at `precision` for onnxruntime's `provider`
+    (cpu, or cuda: a graph for the GPU, fp16 there), in `out_dir` (written beside it first, then moved: never
+    half there). `extra`: the builder's --extra_options (int4 / int8: block_size, accuracy_level,
+    is_symmetric). Returns out_dir/model.onnx."""
+    if provider not in PROVIDERS:
+        raise StageError(f"ORT-optimised graph: provider {provider!r} is not one of {', '.join(PROVIDERS)}")
     if precision not in PRECISIONS:
         raise StageError(f"ORT-optimised graph: precision {precision!r} is not one of {', '.join(PRECISIONS)}")
     reason = unavailable_reason()
@@ -68,7 +72,7 @@ def build(hf_dir: Path, out_dir: Path, precision: str = "fp32", extra: dict[str,
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     log_path = tmp.with_name(out_dir.name + ".builder.log")
-    argv = [sys.executable, "-m", BUILDER, "-i", str(hf_dir), "-o", str(tmp), "-p", precision, "-e", "cpu",
+    argv = [sys.executable, "-m", BUILDER, "-i", str(hf_dir), "-o", str(tmp), "-p", precision, "-e", provider,
             "-c", str(tmp / "cache")]
     if extra:
         argv += ["--extra_options", *(f"{k}={v}" for k, v in extra.items())]

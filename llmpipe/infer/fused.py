@@ -9,12 +9,13 @@ Its inputs are `input_ids` (B, S), `attention_mask` (B, filled + S) int64, optio
 `present.{i}.key/value`.
 
 With `past_present_share_buffer` (genai_config.json; GroupQueryAttention graphs) the past and present
-of a layer are one buffer of `cache_len` slots: the engine allocates it once per batch size and binds it
-as both input and output (I/O binding), so the graph writes each step's keys/values into their slots in
-place, and GroupQueryAttention reads only the slots the mask says are filled: per-token cost follows the
-tokens in the cache, not its capacity, and no step copies the cache. Without it (an older builder, or an
-attention op that concatenates), each step's present is fed back as the next past without leaving
-onnxruntime (OrtValues, never numpy).
+of a layer are one buffer: the engine allocates it with the slots the generation needs (`reserve`, which
+decode.generate calls with prompt + new tokens; doubled if a step goes past them, up to `cache_len`), keeps
+the two most recent shapes for reuse, and binds it as both input and output (I/O binding), so the graph
+writes each step's keys/values into their slots in place, and GroupQueryAttention reads only the slots the
+mask says are filled: per-token cost follows the tokens in the cache, not its capacity, and no step copies
+the cache. On a CUDA session the buffers are OrtValues in the GPU's memory; ids, mask and logits stay on
+the host. A graph without it (an older builder, or an attention op that concatenates) is refused.
 
 The engine interface is decode.py's: `start(ids)` -> the last position's logits (B, vocab), `step(tokens)`
 -> the next logits; `capacity` the tokens the cache holds.
@@ -32,6 +33,8 @@ import onnxruntime as ort
 from llmpipe.infer.decode import CapacityError
 
 GENAI_CONFIG = "genai_config.json"
+POOL = 2  # cache buffer sets kept for reuse (the most recent shapes): a repeated shape allocates nothing
+_NUMPY = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
 PAST, PRESENT = "past_key_values.", "present."
 
 
@@ -86,11 +89,18 @@ class FusedEngine:
         self.session, self.capacity = session, min(cache_len, config.context)
         inputs = {i.name: i for i in session.get_inputs()}
         self._past = [n for n in inputs if n.startswith(PAST)]
+        # the cache's and the logits' element types (fp32 on the CPU; a CUDA build of the graph is fp16)
+        self._cache_type = _NUMPY.get(inputs[self._past[0]].type, np.float32)
+        self._logits_type = _NUMPY.get(session.get_outputs()[0].type, np.float32)
+        # where the caches live: the CPU (numpy arrays bound by address) or the GPU of a CUDA session (OrtValues in
+        # its memory, never copied to the host); the step's small inputs and the logits stay on the host
+        self._device = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
         self._present = [PRESENT + n.removeprefix(PAST) for n in self._past]
         self._positions = "position_ids" in inputs
         self._kv_heads, self._head_dim = config.kv_heads, config.head_dim
         self._vocab = int(session.get_outputs()[0].shape[-1])
         self._now: _State | None = None
+        self._pool: dict[tuple[int, int], _State] = {}  # (batch, slots) -> its buffers, the newest last
         self._room: int | None = None  # reserve(): the slots the next generation needs
         self.pos = 0
 
@@ -106,22 +116,44 @@ class FusedEngine:
         output (written in place), the first `keep` slots of the current buffers copied in; the step's
         arrays bound by address."""
         old = self._now
-        if old is not None and old.ids.shape[0] == batch and old.buffers[0].shape[2] == slots:
+        if not keep and (batch, slots) in self._pool:  # a generation of this shape before: its memory again
+            self._now = self._pool.pop((batch, slots))
+            self._pool[(batch, slots)] = self._now
             return
         shape = (batch, self._kv_heads, slots, self._head_dim)
-        buffers = [np.zeros(shape, np.float32) for _ in self._past]  # calloc: pages appear as they are written
-        if keep:
-            for new, prev in zip(buffers, old.buffers):
-                new[:, :, :keep] = prev[:, :, :keep]
+        if self._device == "cpu":
+            buffers = [np.zeros(shape, self._cache_type) for _ in self._past]  # calloc: pages appear when written
+            if keep:
+                for new, prev in zip(buffers, old.buffers):
+                    new[:, :, :keep] = prev[:, :, :keep]
+        else:
+            buffers = [self._device_buffer(shape, None if not keep else prev, keep)
+                       for prev in (old.buffers if keep else self._past)]
         same = old is not None and old.ids.shape[0] == batch
         self._now = state = _State(self.session.io_binding(), old.ids if same else np.zeros((batch, 1), np.int64),
                                    old.positions if same else np.zeros((batch, 1), np.int64),
                                    np.ones(batch * self.capacity, np.int64),
-                                   old.logits if same else np.zeros((batch, 1, self._vocab), np.float32), buffers)
-        state.binding.bind_output("logits")  # first: get_outputs() lists outputs in the order they were bound
+                                   old.logits if same else np.zeros((batch, 1, self._vocab), self._logits_type),
+                                   buffers)
+        self._pool[(batch, slots)] = state
+        while len(self._pool) > POOL:
+            self._pool.pop(next(iter(self._pool)))
+        state.binding.bind_output("logits", "cpu")  # first: get_outputs() lists outputs in the order they were bound
         for past, present, buf in zip(self._past, self._present, buffers):
-            self._bind_array(past, buf)
-            self._bind_array(present, buf, output=True)  # the same memory: written in place
+            if self._device == "cpu":
+                self._bind_array(past, buf)
+                self._bind_array(present, buf, output=True)  # the same memory: written in place
+            else:
+                state.binding.bind_ortvalue_input(past, buf)
+                state.binding.bind_ortvalue_output(present, buf)
+
+    def _device_buffer(self, shape: tuple[int, ...], prev, keep: int):
+        """A cache buffer in the GPU's memory; `keep` > 0: the first `keep` slots of `prev` copied in (through
+        the host: only when a generation outgrows what reserve() asked for)."""
+        host = np.zeros(shape, self._cache_type)
+        if keep:
+            host[:, :, :keep] = prev.numpy()[:, :, :keep]
+        return ort.OrtValue.ortvalue_from_numpy(host, "cuda", 0)
 
     def _bind_array(self, name: str, array: np.ndarray, output: bool = False) -> None:
         """Bind `array` by address (no copy, no OrtValue): onnxruntime reads or writes it in place."""
@@ -155,9 +187,10 @@ class FusedEngine:
             positions = np.tile(np.arange(T, dtype=np.int64), (B, 1))
             self._bind_array("position_ids", positions)
         self._mask(T)
-        binding.bind_output("logits")  # (B, T, vocab): onnxruntime allocates it
+        binding.bind_output("logits", "cpu")  # (B, T, vocab): onnxruntime allocates it
         self.session.run_with_iobinding(binding)
-        logits = np.array(binding.get_outputs()[0].numpy())  # (B, T, vocab): ours, not the binding's memory
+        # (B, T, vocab) fp32: ours, not the binding's memory
+        logits = np.array(binding.get_outputs()[0].numpy(), dtype=np.float32)
         # the steps' arrays: bound once here, rewritten in place by each step
         self._bind_array("input_ids", self._now.ids)
         if self._positions:
@@ -172,7 +205,7 @@ class FusedEngine:
             raise RuntimeError("step() before start()")
         if self.pos >= self.capacity:
             raise CapacityError(f"the engine's cache of {self.capacity} slots is full")
-        slots = state.buffers[0].shape[2]
+        slots = _slots(state.buffers[0])
         if self.pos >= slots:  # past the reserved slots: twice as many, what is there copied over
             self._allocate(state.ids.shape[0], min(self.capacity, 2 * slots), keep=self.pos)
             state = self._now
@@ -181,11 +214,21 @@ class FusedEngine:
                 self._bind_array("position_ids", state.positions)
             self._bind_array("logits", state.logits, output=True)
         state.ids[:, 0] = tokens.reshape(-1)
-        state.positions[:] = self.pos
+        if self._positions:
+            state.positions[:] = self.pos
+        if self._device != "cpu":  # a host input bound to a GPU session is copied when bound: bound again
+            self._bind_array("input_ids", state.ids)
+            if self._positions:
+                self._bind_array("position_ids", state.positions)
         self._mask(self.pos + 1)
         self.session.run_with_iobinding(state.binding)
         self.pos += 1
-        return state.logits[:, 0].copy()  # (B, vocab); the buffer is the next step's output
+        return state.logits[:, 0].astype(np.float32)  # (B, vocab), a copy: the buffer is the next step's output
+
+
+def _slots(buffer) -> int:
+    """Slots of a cache buffer (a numpy array or an OrtValue)."""
+    return int(buffer.shape[2] if isinstance(buffer, np.ndarray) else buffer.shape()[2])
 
 
 @dataclass
@@ -195,4 +238,6 @@ class _State:
     positions: np.ndarray  # (B, 1)
     ones: np.ndarray  # (B * cache_len,) the masks' memory
     logits: np.ndarray  # (B, 1, vocab) the step's output
-    buffers: list[np.ndarray]  # per layer key, value: (B, kv_heads, slots, head_dim), bound by address
+    # per layer key, value: (B, kv_heads, slots, head_dim), numpy arrays bound by address on the CPU, OrtValues in
+    # the GPU's memory for a CUDA session
+    buffers: list

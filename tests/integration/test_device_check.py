@@ -20,7 +20,8 @@ SCRIPT = ROOT / "benchmarks" / "device_check.py"
 
 ORDER = ["process_group", "train_eager", "train_fsdp2", "train_compile", "memory_vs_plan", "ort_prefill_cpu_fp32",
          "ort_decode_cpu_fp32", "ort_prefill_device_fp16", "ort_decode_device_fp16", "ort_decode_cpu_growing",
-         "ort_optimised", "torch_decode", "generate"]
+         "ort_prefill_optimised_cpu_fp32", "ort_decode_optimised_cpu_fp32", "ort_optimised_device", "torch_decode",
+         "generate"]
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -42,14 +43,15 @@ def test_on_a_cpu_the_check_runs_the_cheap_rows_and_exits_zero(checked):
     assert [r["key"] for r in report["rows"]] == ORDER
     ran = {k for k, r in rows.items() if r["status"] == "ok"}
     assert ran == {"process_group", "train_eager", "train_fsdp2", "ort_prefill_cpu_fp32", "ort_decode_cpu_fp32",
-                   "ort_decode_cpu_growing", "torch_decode", "generate"}
+                   "ort_decode_cpu_growing", "ort_prefill_optimised_cpu_fp32", "ort_decode_optimised_cpu_fp32",
+                   "torch_decode", "generate"}
     assert rows["process_group"]["detail"]["backend"] == "gloo"
     assert "all_reduce on cpu gave [1.0, 2.0, 3.0]" in rows["process_group"]["result"]
     for key in ("train_eager", "train_fsdp2"):
         assert rows[key]["detail"]["tokens_per_s"] > 0
         assert rows[key]["detail"]["steady_steps"] == 1  # 2 steps, the first left out
         assert 0 < rows[key]["detail"]["mfu"] < 1  # against this CPU's measured GEMM peak
-    for key in ("ort_decode_cpu_fp32", "ort_decode_cpu_growing", "torch_decode"):
+    for key in ("ort_decode_cpu_fp32", "ort_decode_cpu_growing", "ort_decode_optimised_cpu_fp32", "torch_decode"):
         assert rows[key]["detail"]["rows"][0]["decode_tokens_per_s"] > 0
     # ORT fp32 follows PyTorch fp32 greedy decoding token for token (export_onnx's parity, through generate)
     assert rows["generate"]["detail"]["same_prefix"] == len(rows["generate"]["detail"]["torch_tokens"]) == 16
@@ -63,12 +65,12 @@ def test_every_row_that_needs_the_accelerator_says_why_it_was_skipped(checked):
     assert rows["memory_vs_plan"]["result"].startswith("skipped: no accelerator: a CPU's peak RSS")
     assert rows["train_compile"]["result"].startswith("skipped: on CPU inductor compiles C++")
     assert "--compile-on-cpu" in rows["train_compile"]["result"]
-    assert rows["ort_optimised"]["result"] == "skipped: not built yet (issue 25, item 1)"
+    assert rows["ort_optimised_device"]["result"] == no_device
     # the printed table is the JSON's: one line per row, the skip reasons stated
     lines = [line for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line][1:]
     assert len(lines) == len(ORDER)
     assert f"| skipped | {no_device} |" in proc.stdout
-    assert "8 ok, 5 skipped, 0 failed" in proc.stdout
+    assert "10 ok, 4 skipped, 0 failed" in proc.stdout
 
 
 def _module():
