@@ -9,8 +9,8 @@ consolidated hf/ folder) the weights are written as consolidate writes hf/, then
   -i hf/ -p fp32|int4 -e cpu`, its defaults) and onnxruntime-genai's own runtime (og.Generator), greedy;
 - llmpipe fused fp32 / fused int4 / fused int8w: what the pipeline deploys on the CPU for fp32, int4 and
   int8w (export_onnx's ort/, the benchmark's variants/<name>/ort/): the builder's graphs at
-  benchmark.quantize's default settings (the ones the demo gates: int4 asymmetric blocks of 32, int8w
-  8 bits), driven by llmpipe.infer.fused.FusedEngine through a plain onnxruntime session (the cache one
+  benchmark.quantize's default settings (the ones the demo gates: int4 asymmetric, blocks of 128 in its
+  ORT graph; int8w 8 bits, blocks of 32), driven by llmpipe.infer.fused.FusedEngine through a plain onnxruntime session (the cache one
   buffer bound in place, sized to the generation);
 - llmpipe static fp32 / static int8: export_onnx's portable graphs (model.onnx + decoder_static.onnx, a
   --cache slot cache) in StaticEngine, int8 the benchmark stage's dynamic-int8 variant of both;
@@ -232,6 +232,7 @@ def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
             r.generate(ttft_ids[t], 1)
     best = {name: {**{f"decode_b{b}": 0.0 for b in a.batches}, **{f"ttft_{t}": float("inf") for t in a.ttft_prompts}}
             for name in eng}
+    samples = {name: {key: [] for key in best[name]} for name in eng}  # every repeat's value, in repeat order
     agree = {}
     for rep in range(a.repeats):
         order = list(eng) if rep % 2 == 0 else list(reversed(eng))
@@ -239,24 +240,30 @@ def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
             for name in order:
                 tokens, _, tps = eng[name].generate(decode_ids[b], a.new_tokens)
                 best[name][f"decode_b{b}"] = max(best[name][f"decode_b{b}"], tps)
+                samples[name][f"decode_b{b}"].append(tps)
                 if b == 1 and reference is not None:
                     agree[name] = float((tokens == reference).mean())
         for t in a.ttft_prompts:
             for name in order:
-                best[name][f"ttft_{t}"] = min(best[name][f"ttft_{t}"], eng[name].generate(ttft_ids[t], 1)[1])
+                ttft = eng[name].generate(ttft_ids[t], 1)[1]
+                best[name][f"ttft_{t}"] = min(best[name][f"ttft_{t}"], ttft)
+                samples[name][f"ttft_{t}"].append(ttft)
         print(f"  {flavor} repeat {rep}: " + ", ".join(f"{n} {best[n]['decode_b1']:.0f} tok/s" for n in eng),
               file=sys.stderr, flush=True)
     weights = {name: step_weight_bytes(r.graph) for name, r in eng.items() if getattr(r, "graph", None)}
-    return {"params": model.args.num_params(), "best": best, "greedy_agreement_with_torch": agree,
+    return {"params": model.args.num_params(), "best": best, "samples": samples, "greedy_agreement_with_torch": agree,
             "step_weight_bytes": weights}
 
 
-def _ratio(res: dict, num: str, den: str, key: str, invert: bool = False) -> str:
+def _ratio(res: dict, num: str, den: str, key: str) -> str:
+    """num / den: the ratio of the bests, then the median and range of the repeats' paired ratios (the two
+    engines ran one after the other in each repeat, so each pair saw the same machine)."""
     b = res["best"]
     if num not in b or den not in b:
         return "-"
-    x, y = b[num][key], b[den][key]
-    return f"{(y / x if invert else x / y):.2f}"
+    paired = sorted(x / y for x, y in zip(res["samples"][num][key], res["samples"][den][key]))
+    return (f"{b[num][key] / b[den][key]:.2f} (paired: median {float(np.median(paired)):.2f}, "
+            f"{paired[0]:.2f}-{paired[-1]:.2f})")
 
 
 GATED = ("fused-int4", "fused-int8w", "fused-fp32")  # what the pipeline deploys for int4 / int8w / fp32 on the CPU
@@ -283,7 +290,8 @@ def report(results: dict, a: argparse.Namespace, bandwidth: float) -> None:
                   f"{'-' if not w else f'{w / 1e6:.1f}'} | {'-' if not bound else f'{bound:.1f}'} | "
                   f"{'-' if not bound or not first else f'{first / bound:.2f}'} | "
                   f"{'-' if agree is None else f'{agree:.0%}'} |")
-    print("\nratios (decode: llmpipe / peer, higher is better; TTFT: llmpipe / peer, lower is better):")
+    print("\nratios (decode: llmpipe / peer, higher is better; TTFT: llmpipe / peer, lower is better); best of "
+          f"{a.repeats} / best of {a.repeats}, then the median and range of the {a.repeats} paired ratios:")
     for flavor, res in results.items():
         parts = []
         for b in a.batches:

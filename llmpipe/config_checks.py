@@ -179,8 +179,9 @@ def check_model(cfg: RunConfig) -> None:
 
         for name in (n for n in ORT_VARIANTS if n in cfg.benchmark.variants):
             q = getattr(cfg.benchmark.quantize, name)
-            if q.bits in (4, 8) and q.block_size not in BUILDER_BLOCK_SIZES:
-                raise ConfigError(f"benchmark.quantize.{name}.block_size={q.block_size}: onnxruntime-genai's "
+            field, block = ("ort_block_size", q.ort_block_size) if q.ort_block_size else ("block_size", q.block_size)
+            if q.bits in (4, 8) and block not in BUILDER_BLOCK_SIZES:
+                raise ConfigError(f"benchmark.quantize.{name}.{field}={block}: onnxruntime-genai's "
                                   f"builder, which makes {name}'s ORT-optimised graph (export.ort_graph), takes "
                                   f"{', '.join(map(str, BUILDER_BLOCK_SIZES))}")
             if q.bits in (4, 8) and q.accuracy_level == 0:

@@ -42,7 +42,8 @@ def weight_only_options(section) -> tuple[str, dict[str, str]] | None:
     precision = {4: "int4", 8: "int8"}.get(section.bits)
     if precision is None:
         return None
-    return precision, {"block_size": str(section.block_size), "accuracy_level": str(section.accuracy_level),
+    block = section.ort_block_size or section.block_size
+    return precision, {"block_size": str(block), "accuracy_level": str(section.accuracy_level),
                        "is_symmetric": "true" if section.symmetric else "false"}
 
 

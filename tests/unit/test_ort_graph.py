@@ -201,9 +201,9 @@ def benched(built, tmp_path_factory):
     return run, json.loads((work / bench.RESULTS_FILE).read_text()), ctx
 
 
-def _matmulnbits_bits(path: Path) -> set[int]:
+def _matmulnbits(path: Path, attribute: str) -> set[int]:
     graph = onnx.load(str(path), load_external_data=False).graph
-    return {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"}
+    return {a.i for n in graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == attribute}
 
 
 def test_int4_and_int8w_get_the_builders_weight_only_graph_at_the_runs_settings(benched):
@@ -212,8 +212,11 @@ def test_int4_and_int8w_get_the_builders_weight_only_graph_at_the_runs_settings(
         path = stage_dir(run, "benchmark") / "variants" / name / "ort" / "model.onnx"
         ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
         assert {"GroupQueryAttention", "MatMulNBits", "SkipSimplifiedLayerNormalization"} <= ops, name
-        assert _matmulnbits_bits(path) == {bits}, name
-        assert (stage_dir(run, "benchmark") / "variants" / name / "model.onnx").is_file()  # the portable one stays
+        assert _matmulnbits(path, "bits") == {bits}, name
+        portable = stage_dir(run, "benchmark") / "variants" / name / "model.onnx"  # the portable one stays
+        # int4's ORT graph in blocks of 128 (benchmark.quantize.int4.ort_block_size), its portable graphs in 32
+        assert _matmulnbits(path, "block_size") == {128 if name == "int4" else 32}, name
+        assert _matmulnbits(portable, "block_size") == {32}, name
 
 
 # Measured on the debug model (random weights, 4 x 16 validation tokens): the builder's int4 graph's logits
@@ -270,8 +273,11 @@ def test_an_ort_graph_beyond_its_gate_fails_in_one_line_naming_that_graph(benche
 
 
 @pytest.mark.parametrize(("quantize", "message"), [
-    ({"int4": {"block_size": 512}}, "benchmark.quantize.int4.block_size=512: onnxruntime-genai's builder, which "
-                                    "makes int4's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, 128, 256"),
+    ({"int4": {"ort_block_size": 512}}, "benchmark.quantize.int4.ort_block_size=512: onnxruntime-genai's builder, "
+                                        "which makes int4's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, "
+                                        "128, 256"),
+    ({"int8w": {"block_size": 512}}, "benchmark.quantize.int8w.block_size=512: onnxruntime-genai's builder, which "
+                                     "makes int8w's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, 128, 256"),
     ({"int8w": {"accuracy_level": 0}}, "benchmark.quantize.int8w.accuracy_level=0: onnxruntime-genai's builder, "
                                        "which makes int8w's ORT-optimised graph (export.ort_graph), takes 1 to 4"),
 ])
