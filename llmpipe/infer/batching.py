@@ -178,3 +178,105 @@ class EngineSlots:
             return last
         self.engines.pop()
         return None
+
+
+class FusedSlots:
+    """Continuous batching over the ORT-optimised graph (llmpipe.infer.fused.FusedEngine's session): up to
+    `slots` sequences, each at its own position, in one cache buffer per layer (slots, kv_heads, capacity,
+    head_dim) that the graph reads and writes in place.
+
+    The graph's GroupQueryAttention takes each row's length from the attention mask (seqlens_k = the row's
+    ones - 1) and writes the row's new keys and values at that slot, with the rotary position it implies; a
+    step's mask is right-padded (row r: its tokens and the new one, then zeros), so rows of any fill step
+    together. A newcomer is prefilled alone into its row (the prompt pass on a batch-1 view of the buffer); a
+    finished one leaves by moving the last row into its place, so the active rows are always 0..n-1 and a
+    step runs n rows (views of the first n rows of each buffer, bound by address: nothing copied per step)."""
+
+    def __init__(self, engine, slots: int):
+        self.engine, self.session, self.capacity = engine, engine.session, engine.capacity
+        self.slots = self.rows = slots
+        e = engine
+        self.buffers = [np.zeros((slots, e._kv_heads, self.capacity, e._head_dim), e._cache_type) for _ in e._past]
+        self.pos = np.zeros(slots, np.int64)  # each row's tokens in the cache
+        self.n = 0
+        self._bindings: dict[int, ort.IOBinding] = {}
+
+    def free(self) -> int:
+        return self.slots - self.n
+
+    def _bind(self, binding: ort.IOBinding, name: str, array: np.ndarray, output: bool = False) -> None:
+        bind = binding.bind_output if output else binding.bind_input
+        bind(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
+
+    def _bound(self, start: int, rows: int, binding: ort.IOBinding | None = None) -> ort.IOBinding:
+        """A binding whose caches are rows start..start+rows-1 of every buffer (contiguous views)."""
+        binding = binding or self.session.io_binding()
+        binding.bind_output("logits", "cpu")
+        for past, present, buf in zip(self.engine._past, self.engine._present, self.buffers):
+            view = buf[start:start + rows]
+            self._bind(binding, past, view)
+            self._bind(binding, present, view, output=True)
+        return binding
+
+    def admit(self, prompts: list[list[int]]) -> np.ndarray:
+        """Prefill each prompt into rows n, n+1, ...; their last positions' logits (k, vocab)."""
+        k = len(prompts)
+        if self.n + k > self.slots:
+            raise RuntimeError(f"admit() of {k} with {self.free()} slots free")
+        longest = max(len(p) for p in prompts)
+        if longest >= self.capacity:
+            raise CapacityError(f"prompt of {longest} tokens does not fit the engine's cache of {self.capacity}")
+        out = []
+        for p in prompts:
+            row, T = self.n, len(p)
+            binding = self._bound(row, 1)
+            ids = np.array([p], np.int64)
+            self._bind(binding, "input_ids", ids)
+            mask = np.ones((1, T), np.int64)
+            self._bind(binding, "attention_mask", mask)
+            if self.engine._positions:
+                positions = np.arange(T, dtype=np.int64)[None]
+                self._bind(binding, "position_ids", positions)
+            self.session.run_with_iobinding(binding)
+            out.append(np.asarray(binding.get_outputs()[0].numpy()[0, -1], dtype=np.float32))
+            self.pos[row] = T
+            self.n += 1
+        return np.stack(out)
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        """Feed one token per active row (n,); the next logits (n, vocab)."""
+        n = self.n
+        if n == 0:
+            raise RuntimeError("step() with no active row")
+        if int(self.pos[:n].max()) >= self.capacity:
+            raise CapacityError(f"the engine's cache of {self.capacity} slots is full")
+        if n not in self._bindings:
+            self._bindings[n] = self._bound(0, n)
+        binding = self._bindings[n]
+        ids = np.asarray(tokens, np.int64).reshape(n, 1)
+        width = int(self.pos[:n].max()) + 1
+        mask = (np.arange(width)[None, :] <= self.pos[:n, None]).astype(np.int64)  # each row: its tokens + the new
+        logits = np.empty((n, 1, self.engine._vocab), self.engine._logits_type)
+        self._bind(binding, "input_ids", ids)
+        self._bind(binding, "attention_mask", mask)
+        if self.engine._positions:
+            positions = self.pos[:n].reshape(n, 1).copy()
+            self._bind(binding, "position_ids", positions)
+        self._bind(binding, "logits", logits, output=True)
+        self.session.run_with_iobinding(binding)
+        self.pos[:n] += 1
+        return logits[:, 0].astype(np.float32)
+
+    def release(self, row: int) -> int | None:
+        """Free `row`; the last row moves into its place. Returns the moved row's old index, or None."""
+        last = self.n - 1
+        moved = None
+        if row != last:
+            filled = int(self.pos[last])
+            for buf in self.buffers:
+                buf[row, :, :filled] = buf[last, :, :filled]
+            self.pos[row] = self.pos[last]
+            moved = last
+        self.pos[last] = 0
+        self.n -= 1
+        return moved

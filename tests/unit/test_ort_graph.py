@@ -160,13 +160,17 @@ def test_ort_graph_with_consolidate_writing_no_hf_folder_is_refused_when_the_con
                               "(set consolidate.hf_layout: true)")
 
 
-def test_serve_opens_the_portable_graphs_whose_rows_it_batches_at_their_own_positions(built):
+def test_serve_batches_the_ort_graphs_rows_and_keeps_the_portable_graphs_for_other_engines(built):
+    from llmpipe.infer.batching import FusedSlots
     from llmpipe.infer.decode import StaticEngine
     from llmpipe.tools.generate import open_run
     from llmpipe.tools.serve import _slots
 
     run, _, _ = built
-    assert isinstance(open_run(run, "fp32", 1).engine, FusedEngine)
+    loaded = open_run(run, "fp32", 1)
+    assert isinstance(loaded.engine, FusedEngine)
+    slots, how = _slots(loaded, 4)
+    assert isinstance(slots, FusedSlots) and how == "continuous batching over the ORT-optimised graph's rows"
     loaded = open_run(run, "fp32", 1, ort_graph=False)
     assert isinstance(loaded.engine, StaticEngine)
     assert _slots(loaded, 4)[1] == "continuous batching over the static decoder's rows"
@@ -276,8 +280,9 @@ def test_an_ort_graph_beyond_its_gate_fails_in_one_line_naming_that_graph(benche
     ({"int4": {"ort_block_size": 512}}, "benchmark.quantize.int4.ort_block_size=512: onnxruntime-genai's builder, "
                                         "which makes int4's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, "
                                         "128, 256"),
-    ({"int8w": {"block_size": 512}}, "benchmark.quantize.int8w.block_size=512: onnxruntime-genai's builder, which "
-                                     "makes int8w's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, 128, 256"),
+    ({"int8w": {"block_size": 512}}, "benchmark.quantize.int8w.block_size=512: onnxruntime-genai's builder, "
+                                     "which makes int8w's ORT-optimised graph (export.ort_graph), takes 16, 32, 64, "
+                                     "128, 256"),
     ({"int8w": {"accuracy_level": 0}}, "benchmark.quantize.int8w.accuracy_level=0: onnxruntime-genai's builder, "
                                        "which makes int8w's ORT-optimised graph (export.ort_graph), takes 1 to 4"),
 ])
@@ -326,3 +331,74 @@ def test_evaluate_scores_fp32_and_int4_through_their_ort_graphs_as_it_scores_pyt
     gen = [("def main", {"until": ["\n\n"], "max_gen_toks": 10, "do_sample": False})]
     assert lms["fp32"].generate_until(_requests("generate_until", gen)) == \
         lms["torch"].generate_until(_requests("generate_until", gen))
+
+
+def test_continuous_batching_over_the_ort_graph_decodes_each_row_as_pytorch_does_alone(built):
+    """Rows join one at a time and leave when done (the last row moving into the freed one), each at its own
+    position in one right-padded step: every sequence's greedy tokens are PyTorch's for it alone."""
+    from llmpipe.infer.batching import FusedSlots
+
+    run, model, _ = built
+    folder = stage_dir(run, "export_onnx") / "ort"
+    cpu = export.device.ort_providers(["cpu"])[0]
+    slots = FusedSlots(FusedEngine(create_session(folder / "model.onnx", cpu, 1), GraphConfig.read(folder), 64), 3)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, ARGS.vocab_size, n).tolist() for n in (5, 9, 3, 7, 4)]
+    wanted = [10, 6, 12, 8, 9]  # tokens per sequence: they finish at different steps
+    refs = [greedy_reference(model, np.array([p]), k)[0][0].tolist() for p, k in zip(prompts, wanted)]
+    queue, rows, out = list(range(len(prompts))), [], {i: [] for i in range(len(prompts))}
+    while queue or rows:
+        if queue and slots.free():
+            i = queue.pop(0)
+            out[i].append(int(slots.admit([prompts[i]])[0].argmax()))
+            rows.append(i)
+        if rows:
+            logits = slots.step(np.array([out[i][-1] for i in rows]))
+            for i, row in zip(rows, logits):
+                out[i].append(int(row.argmax()))
+        for r in reversed(range(len(rows))):
+            if len(out[rows[r]]) >= wanted[rows[r]]:
+                moved = slots.release(r)
+                assert moved == (len(rows) - 1 if r != len(rows) - 1 else None)
+                rows[r] = rows[-1]
+                rows.pop()
+    assert [out[i][:k] for i, k in enumerate(wanted)] == refs
+    assert slots.n == 0
+
+
+def test_llmpipe_serve_answers_the_openai_client_through_the_ort_graph_as_generate_does(benched, tmp_path):
+    """A real `llmpipe serve` process of the run (its int4 variant: the builder's int4 graph), driven by the
+    openai client: greedy text equals `llmpipe generate`'s, and two prompts of different lengths decoded in one
+    batch each get the text they get alone."""
+    import threading
+
+    import openai
+
+    from tests.integration.test_serve import Server
+
+    run, _, _ = benched
+    server = Server(run, tmp_path / "server.log", "--variant", "int4", "--max-batch", "2", "--allow-ungated")
+    try:
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+        model = client.models.list().data[0].id
+        served = client.completions.create(model=model, prompt="def main", max_tokens=12, temperature=0)
+        local = run_generate(run, "def main", 12, "int4", threads=1, out=io.StringIO())
+        assert served.choices[0].text == local["text"]
+        prompts = ["def main(x):\n    return", "x"]
+        alone = [client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0].text
+                 for p in prompts]
+        together: dict[int, str] = {}
+
+        def ask(i: int) -> None:
+            together[i] = client.completions.create(model=model, prompt=prompts[i], max_tokens=16,
+                                                    temperature=0).choices[0].text
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [together[0], together[1]] == alone
+    finally:
+        server.stop()
+    assert "continuous batching over the ORT-optimised graph's rows" in (tmp_path / "server.log").read_text()

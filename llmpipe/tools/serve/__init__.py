@@ -120,8 +120,12 @@ def latest_passing(artifacts_dir: Path, variant: str) -> Path:
 
 
 def _slots(loaded, max_batch: int):
-    from llmpipe.infer.batching import EngineSlots, SlotBatch
+    from llmpipe.infer.batching import EngineSlots, FusedSlots, SlotBatch
     from llmpipe.infer.decode import StaticEngine, TorchEngine
+    from llmpipe.infer.fused import FusedEngine
+
+    if isinstance(loaded.engine, FusedEngine):
+        return FusedSlots(loaded.engine, max_batch), "continuous batching over the ORT-optimised graph's rows"
 
     if isinstance(loaded.engine, StaticEngine):
         batch = SlotBatch(loaded.engine, max_batch)
@@ -172,9 +176,7 @@ def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, 
     if problem:
         log.warning("serve: serving UNGATED (--allow-ungated): %s", problem)
     template = run_template(run_dir, variant)
-    # NOTE: the portable graphs: continuous batching needs StaticEngine's rows at their own positions, which
-    # FusedEngine over export_onnx's ort/ (one position for the whole batch) does not have yet
-    loaded = open_run(run_dir, variant, threads, ort_graph=False)
+    loaded = open_run(run_dir, variant, threads)  # the variant's ORT-optimised graph when the run has one
     slots, how = _slots(loaded, max_batch)
     stop_ids, stop_strings = chat_stops(loaded, template) if template is not None else ([], [])
     metrics = Metrics()
