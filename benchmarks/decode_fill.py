@@ -12,7 +12,8 @@ engines of llmpipe.infer.decode run them on onnxruntime's CPU provider at batch 
   doubles as it fills;
 - fused: FusedEngine over onnxruntime-genai's builder graph of the same weights (export_onnx's ort/, what
   `generate` and the benchmark run for fp32 on the CPU): GroupQueryAttention reads the filled slots only,
-  the --cache slot buffer bound in place as past and present.
+  the buffer (sized to the prompt and its steps, as generate reserves it; at most --cache slots) bound in
+  place as past and present.
 
 Per-token time at fill f: a prompt of f - 8 tokens, then 8 timed steps (the cache holds f - 8 ... f - 1
 tokens as they run; at f = --cache that is the last 8 slots), the median step of the 8. Engines and fills
@@ -101,6 +102,8 @@ def engines(flavor: str, a: argparse.Namespace, folder: Path) -> tuple[dict, int
 def per_token_ms(engine, fill: int, vocab: int, seed: int) -> tuple[float, float]:
     """Median ms of the WINDOW steps run while the cache holds fill - WINDOW ... fill - 1 tokens: wall
     clock, and this process's CPU time (every thread's; other processes' load does not count in it)."""
+    if hasattr(engine, "reserve"):  # as decode.generate does: the slots this prompt and its steps need
+        engine.reserve(fill)
     engine.start(random_ids(1, fill - WINDOW, vocab, seed))
     token, wall, cpu = np.array([1]), [], []
     for _ in range(WINDOW):

@@ -10,8 +10,8 @@ consolidated hf/ folder) the weights are written as consolidate writes hf/, then
 - llmpipe fused fp32 / fused int4 / fused int8w: what the pipeline deploys on the CPU for fp32, int4 and
   int8w (export_onnx's ort/, the benchmark's variants/<name>/ort/): the builder's graphs at
   benchmark.quantize's default settings (the ones the demo gates: int4 asymmetric, blocks of 128 in its
-  ORT graph; int8w 8 bits, blocks of 32), driven by llmpipe.infer.fused.FusedEngine through a plain onnxruntime session (the cache one
-  buffer bound in place, sized to the generation);
+  ORT graph; int8w 8 bits, blocks of 32), driven by llmpipe.infer.fused.FusedEngine through a plain
+  onnxruntime session (the cache one buffer bound in place, sized to the generation);
 - llmpipe static fp32 / static int8: export_onnx's portable graphs (model.onnx + decoder_static.onnx, a
   --cache slot cache) in StaticEngine, int8 the benchmark stage's dynamic-int8 variant of both;
 - torch: PyTorch eager with its KV cache (TorchEngine), fp32.

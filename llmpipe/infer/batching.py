@@ -12,6 +12,9 @@ n over views of the same arrays: nothing is copied per step). A model compiled f
 (an OM decoder, convert_om.decode_batch) runs all its rows every step; the idle ones compute nothing
 anyone reads.
 
+`FusedSlots` does the same over the ORT-optimised graph (llmpipe.infer.fused): its attention takes each
+row's length from a right-padded mask, so rows at different positions step together in one run.
+
 `EngineSlots` is the fallback for an engine without per-row positions (TorchEngine: its cache grows
 by torch.cat, one length for the batch): one engine per slot, stepped one after the other, so
 sequences still join and leave between steps, but a step costs n batch-1 passes (no batching gain).

@@ -6,7 +6,8 @@ chat template against training's digest (run_template), and the benchmark stage 
 (its files verified) with the variant measured by its quality gate and not rejected, nor rejected by the
 evaluate stage's gates where that stage has run; otherwise one
 `error:` line (--allow-ungated serves anyway, and says so in the log). The routes are in app.py, the
-decode loop (continuous batching over the static decoder's rows) in scheduler.py.
+decode loop (continuous batching over the static decoder's rows, or the ORT-optimised graph's where the run
+has one: llmpipe.infer.batching) in scheduler.py.
 
 SIGTERM (or Ctrl-C) drains: new requests get 503, the ones in flight finish (at most --drain-timeout
 seconds, then they are cut), the process exits 0.
