@@ -402,3 +402,16 @@ def test_llmpipe_serve_answers_the_openai_client_through_the_ort_graph_as_genera
     finally:
         server.stop()
     assert "continuous batching over the ORT-optimised graph's rows" in (tmp_path / "server.log").read_text()
+
+
+def test_the_builders_options_follow_the_runs_quantize_settings():
+    from llmpipe.config import QuantizeSection
+
+    q = QuantizeSection()
+    assert fused.weight_only_options(q.int4) == ("int4", {"block_size": "128", "accuracy_level": "4",
+                                                          "is_symmetric": "false"})
+    assert fused.weight_only_options(q.int8w) == ("int8", {"block_size": "32", "accuracy_level": "4",
+                                                           "is_symmetric": "false"})
+    q = QuantizeSection.model_validate({"int4": {"bits": 2}, "int8w": {"symmetric": True, "ort_block_size": 64}})
+    assert fused.weight_only_options(q.int4) is None  # 2 bits: the builder has no such precision, portable only
+    assert fused.weight_only_options(q.int8w)[1] == {"block_size": "64", "accuracy_level": "4", "is_symmetric": "true"}
