@@ -216,6 +216,12 @@ class OrtProvider:
     ort_name: str  # onnxruntime's provider name
 
 
+def ort_memory(session) -> str:
+    """Where an onnxruntime session's provider keeps its tensors, as OrtValue names the device: "cuda" for
+    CUDA's, else "cpu" (the CPU provider's memory is the host's)."""
+    return "cuda" if session.get_providers()[0] == _ORT_PROVIDERS["cuda"] else "cpu"
+
+
 def ort_providers(requested: str | list[str] = "auto") -> list[OrtProvider]:
     """onnxruntime providers present here, among CPU, CUDA and CANN (Ascend)."""
     import onnxruntime as ort

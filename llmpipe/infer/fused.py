@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from llmpipe import device
 from llmpipe.infer.decode import CapacityError
 
 GENAI_CONFIG = "genai_config.json"
@@ -94,7 +95,7 @@ class FusedEngine:
         self._logits_type = _NUMPY.get(session.get_outputs()[0].type, np.float32)
         # where the caches live: the CPU (numpy arrays bound by address) or the GPU of a CUDA session (OrtValues in
         # its memory, never copied to the host); the step's small inputs and the logits stay on the host
-        self._device = "cuda" if session.get_providers()[0] == "CUDAExecutionProvider" else "cpu"
+        self._device = device.ort_memory(session)
         self._present = [PRESENT + n.removeprefix(PAST) for n in self._past]
         self._positions = "position_ids" in inputs
         self._kv_heads, self._head_dim = config.kv_heads, config.head_dim
@@ -153,7 +154,7 @@ class FusedEngine:
         host = np.zeros(shape, self._cache_type)
         if keep:
             host[:, :, :keep] = prev.numpy()[:, :, :keep]
-        return ort.OrtValue.ortvalue_from_numpy(host, "cuda", 0)
+        return ort.OrtValue.ortvalue_from_numpy(host, self._device, 0)
 
     def _bind_array(self, name: str, array: np.ndarray, output: bool = False) -> None:
         """Bind `array` by address (no copy, no OrtValue): onnxruntime reads or writes it in place."""

@@ -230,21 +230,23 @@ def test_stop_sequences_cut_the_text_and_a_seed_repeats_a_sample(client):
 def test_concurrent_requests_decode_together_and_each_gets_its_text_alone(client):
     """Two prompts of different lengths in one batch (rows at different positions) give each the
     greedy text it gets alone."""
-    prompts = ["def main(x):\n    return", "What"]
-    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=60, temperature=0).choices[0].text
-             for p in prompts]
+    alone, together = alone_and_together(client, MODEL, ["def main(x):\n    return", "What"], 60)
+    assert together == alone
+
+
+def alone_and_together(client: openai.OpenAI, model: str, prompts: list[str], max_tokens: int):
+    """(greedy texts of `prompts` asked one at a time, the same asked all at once from threads)."""
+    ask = lambda p: client.completions.create(model=model, prompt=p, max_tokens=max_tokens,  # noqa: E731
+                                              temperature=0).choices[0].text
+    alone = [ask(p) for p in prompts]
     together: dict[int, str] = {}
-
-    def ask(i: int) -> None:
-        together[i] = client.completions.create(model=MODEL, prompt=prompts[i], max_tokens=60,
-                                                temperature=0).choices[0].text
-
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
+    threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, ask(prompts[i])))
+               for i in range(len(prompts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert [together[0], together[1]] == alone
+    return alone, [together[i] for i in range(len(prompts))]
 
 
 # --------------------------------------------------------------------------- security and bad input

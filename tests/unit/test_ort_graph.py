@@ -370,11 +370,9 @@ def test_llmpipe_serve_answers_the_openai_client_through_the_ort_graph_as_genera
     """A real `llmpipe serve` process of the run (its int4 variant: the builder's int4 graph), driven by the
     openai client: greedy text equals `llmpipe generate`'s, and two prompts of different lengths decoded in one
     batch each get the text they get alone."""
-    import threading
-
     import openai
 
-    from tests.integration.test_serve import Server
+    from tests.integration.test_serve import Server, alone_and_together
 
     run, _, _ = benched
     server = Server(run, tmp_path / "server.log", "--variant", "int4", "--max-batch", "2", "--allow-ungated")
@@ -384,21 +382,8 @@ def test_llmpipe_serve_answers_the_openai_client_through_the_ort_graph_as_genera
         served = client.completions.create(model=model, prompt="def main", max_tokens=12, temperature=0)
         local = run_generate(run, "def main", 12, "int4", threads=1, out=io.StringIO())
         assert served.choices[0].text == local["text"]
-        prompts = ["def main(x):\n    return", "x"]
-        alone = [client.completions.create(model=model, prompt=p, max_tokens=16, temperature=0).choices[0].text
-                 for p in prompts]
-        together: dict[int, str] = {}
-
-        def ask(i: int) -> None:
-            together[i] = client.completions.create(model=model, prompt=prompts[i], max_tokens=16,
-                                                    temperature=0).choices[0].text
-
-        threads = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert [together[0], together[1]] == alone
+        alone, together = alone_and_together(client, model, ["def main(x):\n    return", "x"], 16)
+        assert together == alone
     finally:
         server.stop()
     assert "continuous batching over the ORT-optimised graph's rows" in (tmp_path / "server.log").read_text()
