@@ -108,11 +108,16 @@ def test_generate_fp32_runs_the_ort_graph_and_writes_what_torch_writes(built):
     assert stats["fp32"]["text"] == stats["torch"]["text"]
 
 
-def test_the_engine_continues_a_batch_like_pytorch_and_refuses_a_prompt_that_fills_its_cache(built):
-    run, model, _ = built
+def _engine(run: Path, cache_len: int) -> FusedEngine:
+    """FusedEngine over the built run's export_onnx ort/ graph, one thread."""
     folder = stage_dir(run, "export_onnx") / "ort"
     cpu = export.device.ort_providers(["cpu"])[0]
-    engine = FusedEngine(create_session(folder / "model.onnx", cpu, 1), GraphConfig.read(folder), 16)
+    return FusedEngine(create_session(folder / "model.onnx", cpu, 1), GraphConfig.read(folder), cache_len)
+
+
+def test_the_engine_continues_a_batch_like_pytorch_and_refuses_a_prompt_that_fills_its_cache(built):
+    run, model, _ = built
+    engine = _engine(run, 16)
     ids = np.random.default_rng(3).integers(0, ARGS.vocab_size, (3, 5))
     ref, _ = greedy_reference(model, ids, 11)
     logits = engine.start(ids)
@@ -299,9 +304,7 @@ def test_a_setting_the_builder_cannot_apply_is_refused_when_the_config_loads(tmp
 
 def test_the_engine_sizes_its_cache_to_the_work_and_grows_past_it_as_pytorch_decodes(built):
     run, model, _ = built
-    folder = stage_dir(run, "export_onnx") / "ort"
-    cpu = export.device.ort_providers(["cpu"])[0]
-    engine = FusedEngine(create_session(folder / "model.onnx", cpu, 1), GraphConfig.read(folder), 64)
+    engine = _engine(run, 64)
     ids = np.random.default_rng(4).integers(0, ARGS.vocab_size, (2, 6))
     ref, _ = greedy_reference(model, ids, 20)
     engine.reserve(9)  # fewer slots than the 25 used: the buffers double twice (9 -> 18 -> 36)
@@ -339,9 +342,7 @@ def test_continuous_batching_over_the_ort_graph_decodes_each_row_as_pytorch_does
     from llmpipe.infer.batching import FusedSlots
 
     run, model, _ = built
-    folder = stage_dir(run, "export_onnx") / "ort"
-    cpu = export.device.ort_providers(["cpu"])[0]
-    slots = FusedSlots(FusedEngine(create_session(folder / "model.onnx", cpu, 1), GraphConfig.read(folder), 64), 3)
+    slots = FusedSlots(_engine(run, 64), 3)
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, ARGS.vocab_size, n).tolist() for n in (5, 9, 3, 7, 4)]
     wanted = [10, 6, 12, 8, 9]  # tokens per sequence: they finish at different steps
@@ -400,3 +401,20 @@ def test_the_builders_options_follow_the_runs_quantize_settings():
     q = QuantizeSection.model_validate({"int4": {"bits": 2}, "int8w": {"symmetric": True, "ort_block_size": 64}})
     assert fused.weight_only_options(q.int4) is None  # 2 bits: the builder has no such precision, portable only
     assert fused.weight_only_options(q.int8w)[1] == {"block_size": "64", "accuracy_level": "4", "is_symmetric": "true"}
+
+
+def test_ort_block_size_defines_the_result_but_a_run_made_before_it_keeps_its_fingerprints(tmp_path):
+    """An added result field: at its default a config that never named it hashes as before (a finished benchmark
+    is not re-run by the upgrade); set to another value, the benchmark stage's fingerprint moves."""
+    from llmpipe.stages import fingerprints
+
+    base = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+            "export": {"ort_graph": True}, "benchmark": {"variants": ["fp32", "int4"]}}
+    before = fingerprints(from_dict(base))
+    at_default = fingerprints(from_dict({**base, "benchmark": {**base["benchmark"],
+                                                               "quantize": {"int4": {"ort_block_size": 128}}}}))
+    changed = fingerprints(from_dict({**base, "benchmark": {**base["benchmark"],
+                                                            "quantize": {"int4": {"ort_block_size": 64}}}}))
+    assert at_default == before
+    assert changed["benchmark"] != before["benchmark"]
+    assert changed["train"] == before["train"]
