@@ -143,6 +143,8 @@ def _parser() -> argparse.ArgumentParser:
                      "rejected or did not measure (logged)")
     srv.add_argument("--drain-timeout", type=float, default=30.0, help="on SIGTERM, seconds the requests in flight "
                      "may take to finish (default 30)")
+    srv.add_argument("--body-timeout", type=float, default=10.0, help="seconds a request's body may take to arrive; "
+                     "beyond: 408 (default 10)")
     srv.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
     srv.add_argument("--artifacts-dir", default="artifacts")
     srv.add_argument("--tracking-uri", help="with models:/...: the registry (default: MLFLOW_TRACKING_URI, else "
@@ -559,7 +561,7 @@ def _serve(args: argparse.Namespace) -> int:
     else:
         run_dir = _run_dir(args)
     return run_serve(run_dir, run_dir.name, args.variant, args.host, args.port, args.max_batch, args.max_queue,
-                     args.api_key_file, args.allow_ungated, args.threads, args.drain_timeout)
+                     args.api_key_file, args.allow_ungated, args.threads, args.drain_timeout, args.body_timeout)
 
 
 def _bench_serve(args: argparse.Namespace) -> int:

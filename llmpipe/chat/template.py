@@ -2,7 +2,11 @@
 
 A template is untrusted code (it may come with any model folder), so it is compiled in jinja2's
 `ImmutableSandboxedEnvironment` (no attribute access to Python internals, no mutation of what it is given),
-its source is limited in size, and each render in time and output size. The environment mirrors the one
+its source is limited in size, and each render in time and output size. Single calls are bounded too: `%`
+and str.format, the string methods and filters that grow text (replace, center, ljust, rjust, zfill,
+expandtabs, join, indent, wordwrap, sum, `*`, `+`) have the size of their result checked before they run
+(at most MAX_OUTPUT_CHARS), and the time limit sees every Python call made while rendering (a filter's own
+loop, `|map|sum` over a range), not only the template's lines. The environment mirrors the one
 transformers builds in `apply_chat_template` (trim_blocks, lstrip_blocks, loopcontrols, the globals
 `raise_exception` and `strftime_now`, a `tojson` that does not escape HTML), so a template renders here
 exactly what transformers renders (tested for the built-in ones).
@@ -13,8 +17,11 @@ by every later stage that renders a conversation.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import re
+import string
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +30,7 @@ from importlib import resources
 from pathlib import Path
 
 import jinja2
+import jinja2.compiler
 import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -52,10 +60,101 @@ class _Deadline(Exception):
     pass
 
 
-class _Environment(ImmutableSandboxedEnvironment):
-    """The sandbox, plus bounds on repetition and on numbers handed to calls (memory bombs)."""
+def _bound(what: str, size: int) -> None:
+    """SecurityError before a call whose result would exceed MAX_OUTPUT_CHARS characters."""
+    if size > MAX_OUTPUT_CHARS:
+        raise jinja2.exceptions.SecurityError(f"{what} would make {size} characters (at most {MAX_OUTPUT_CHARS})")
 
-    intercepted_binops = frozenset({"*", "**"})
+
+def _int(value) -> int:
+    return abs(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def _length(value) -> int:
+    return len(value) if isinstance(value, (str, list, tuple, dict)) else len(str(value))
+
+
+# a %-conversion: its mapping key, flags, width and precision (each a number or `*`), its type
+_PERCENT = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?[hlL]?([a-zA-Z%])")
+
+
+def _percent_size(fmt: str, args) -> int:
+    """An upper bound of len(fmt % args): each conversion at most its width, its precision and its longest
+    argument (a `*` takes an argument as a number)."""
+    values = list(args.values()) if isinstance(args, dict) else list(args) if isinstance(args, tuple) else [args]
+    longest = max((_length(v) for v in values), default=0)
+    numbers = sum(_int(v) for v in values)
+    size = len(fmt)
+    for width, precision, _ in _PERCENT.findall(fmt):
+        size += longest + sum(int(n) if n.isdigit() else numbers for n in (width, precision) if n)
+    return size
+
+
+def _format_size(fmt: str, args, kwargs) -> int:
+    """An upper bound of len(fmt.format(*args, **kwargs)): each field at most its spec's numbers (nested
+    fields take arguments as numbers) and the longest argument."""
+    values = [*args, *kwargs.values()]
+    longest = max((_length(v) for v in values), default=0)
+    numbers = sum(_int(v) for v in values)
+    size = len(fmt)
+    try:
+        fields = [spec for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
+    except ValueError:
+        return size  # a malformed format string: str.format raises on it without allocating
+    for spec in fields:
+        size += longest + sum(int(n) for n in re.findall(r"\d+", spec or "")) + (numbers if "{" in (spec or "") else 0)
+    return size
+
+
+def _join_size(sep: str, items: list) -> int:
+    return sum(_length(x) for x in items) + len(sep) * max(len(items) - 1, 0)
+
+
+def _replace_size(s: str, old: str, new: str, count=None) -> int:
+    n = s.count(old) if old else len(s) + 1
+    if isinstance(count, int) and count >= 0:
+        n = min(n, count)
+    return len(s) + n * max(len(new) - len(old), 0)
+
+
+def _str_call_size(obj, args, kwargs) -> int | None:
+    """The size bound of a call of a str's method that grows text, or None for any other call."""
+    s, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(s, str):
+        return None
+    a = [*args, *kwargs.values()]
+    if name in ("center", "ljust", "rjust", "zfill"):
+        return max(len(s), _int(a[0]) if a else 0)
+    if name == "expandtabs":
+        return len(s) * max(_int(a[0]) if a else 8, 1)
+    if name == "replace" and len(a) >= 2 and isinstance(a[0], str) and isinstance(a[1], str):
+        return _replace_size(s, a[0], a[1], a[2] if len(a) > 2 else None)
+    return None  # str.format and format_map: wrap_str_format
+
+
+class _CodeGenerator(jinja2.compiler.CodeGenerator):
+    """Jinja's code generator, but `a ~ b` calls the environment's bounded_concat (the sandbox does not see
+    it: jinja compiles it to a plain str join)."""
+
+    def visit_Concat(self, node, frame):
+        self.write("environment.bounded_concat((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _Environment(ImmutableSandboxedEnvironment):
+    """The sandbox, plus bounds on repetition, on numbers handed to calls and on the size of what a single
+    operator, string method or filter makes (memory bombs)."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+    code_generator_class = _CodeGenerator
+
+    def bounded_concat(self, parts) -> str:
+        texts = [str(p) for p in parts]
+        _bound("'~'", sum(map(len, texts)))
+        return "".join(texts)
 
     def call_binop(self, context, operator, left, right):
         if operator == "**" and isinstance(right, int) and abs(right) > 64:
@@ -65,13 +164,87 @@ class _Environment(ImmutableSandboxedEnvironment):
             seq, n = (left, right) if isinstance(right, int) else (right, left)
             if len(seq) * max(n, 0) > MAX_OUTPUT_CHARS:
                 raise jinja2.exceptions.SecurityError("repetition too large")
+        if operator == "%" and isinstance(left, str):
+            _bound("'%' formatting", _percent_size(left, right))
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            _bound("'+'", len(left) + len(right))
         return super().call_binop(context, operator, left, right)
+
+    def wrap_str_format(self, value):
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+        fmt, is_map = value.__self__, value.__name__ == "format_map"
+
+        def bounded(*args, **kwargs):
+            mapping = args[0] if is_map and args and isinstance(args[0], dict) else {}
+            _bound(f"str.{value.__name__}", _format_size(fmt, () if is_map else args, mapping if is_map else kwargs))
+            return wrapped(*args, **kwargs)
+
+        return bounded
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (jinja2's own signature)
         for value in (*args, *kwargs.values()):
             if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_INT_ARGUMENT:
                 raise jinja2.exceptions.SecurityError(f"argument {value} is too large")
+        if getattr(__obj, "__name__", "") == "join" and isinstance(getattr(__obj, "__self__", None), str) and args:
+            items = list(args[0])  # a generator is read once, here, and handed on as a list
+            _bound("str.join", _join_size(__obj.__self__, items))
+            args = (items, *args[1:])
+        else:
+            size = _str_call_size(__obj, args, kwargs)
+            if size is not None:
+                _bound(f"str.{__obj.__name__}", size)
         return super().call(__context, __obj, *args, **kwargs)
+
+
+def _checked(name: str, size):
+    """Jinja's filter `name`, its result's size checked first by `size(*args, **kwargs)` (the arguments after
+    the context jinja passes), which returns the bound and the first argument to use (a generator read into
+    a list, so that it is read once)."""
+    original = jinja2.filters.FILTERS[name]
+    passes = getattr(original, "jinja_pass_arg", None) is not None
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        head, rest = (args[:1], args[1:]) if passes else ((), args)
+        bound, first = size(*rest, **kwargs)
+        _bound(f"|{name}", bound)
+        return original(*head, first, *rest[1:], **kwargs)
+
+    return wrapper
+
+
+def _join_bound(value, d="", attribute=None):
+    items = list(value)
+    if attribute is not None:  # jinja reads an attribute of each: the attribute may be any size, checked after
+        return 0, items
+    return _join_size(str(d), items), items
+
+
+def _sum_bound(iterable, attribute=None, start=0):
+    items = list(iterable)
+    return sum(len(x) for x in [start, *items] if isinstance(x, (str, list, tuple))), items
+
+
+def _indent_bound(s, width=4, first=False, blank=False):
+    pad = len(width) if isinstance(width, str) else _int(width)
+    return len(str(s)) + (str(s).count("\n") + 1) * pad, s
+
+
+def _wordwrap_bound(s, width=79, break_long_words=True, wrapstring=None, break_on_hyphens=True):
+    return len(str(s)) * (1 + (len(wrapstring) if isinstance(wrapstring, str) else 1)), s
+
+
+_FILTER_SIZES = {
+    "join": _join_bound,
+    "sum": _sum_bound,
+    "center": lambda value, width=80: (max(len(str(value)), _int(width)), value),
+    "indent": _indent_bound,
+    "format": lambda value, *args, **kwargs: (_percent_size(str(value), kwargs if kwargs else tuple(args)), value),
+    "replace": lambda s, old, new, count=None: (_replace_size(str(s), str(old), str(new), count), s),
+    "wordwrap": _wordwrap_bound,
+}
 
 
 def _raise_exception(message):
@@ -89,6 +262,7 @@ def _strftime_now(format):  # noqa: A002 (the name templates call it with)
 
 def _environment() -> _Environment:
     env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters.update({name: _checked(name, size) for name, size in _FILTER_SIZES.items()})
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
@@ -129,12 +303,12 @@ class ChatTemplate:
         deadline = time.monotonic() + RENDER_SECONDS
         code = self._compiled.root_render_func.__code__.co_filename
 
-        def tracer(frame, event, arg):  # line events only inside the template's own code
-            if frame.f_code.co_filename != code:
-                return None
+        def tracer(frame, event, arg):
+            # NOTE: asked at every Python call made while rendering (a filter's loop, a generator resumed by
+            # `|sum`), and at every line of the template's own code; the rest runs untraced
             if time.monotonic() > deadline:
                 raise _Deadline
-            return tracer
+            return tracer if frame.f_code.co_filename == code else None
 
         pieces, size = [], 0
         previous = sys.gettrace()

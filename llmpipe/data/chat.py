@@ -11,7 +11,8 @@ split and the work units treat it as any document. `encode` renders it with the 
 which tokens are trained: the assistant's spans, found by rendering prefixes (messages[:i] with the
 generation prompt vs messages[:i+1]), from the assistant's first character through its end-of-turn marker
 (so the model learns to stop), mapped to tokens by their character offsets (a token counts when it starts
-inside a span). `data.train_on: all` trains every token instead.
+inside a span); turns that begin after the data.seq_len tokens kept are not rendered, and a record of more
+than MAX_MESSAGES messages is a bad record. `data.train_on: all` trains every token instead.
 
 Shards: `<split>.bin/.idx` hold one conversation per document (at most seq_len tokens, no EOS between:
 the boundaries are in the .idx), `<split>.labels` one byte per token, 1 where that token is a target.
@@ -37,6 +38,10 @@ SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistan
 IGNORE = -100  # a target F.cross_entropy leaves out
 LABELS_SUFFIX = ".labels"  # train.labels beside train.bin: one uint8 per token
 _SURROGATE = re.compile("[\ud800-\udfff]")
+# NOTE: a bad record beyond this: real multi-turn data has tens of messages, and each assistant turn costs a
+# render of the conversation before it (bounded by data.seq_len in encode, but a record at the 16 MiB limit
+# can hold a million one-character messages)
+MAX_MESSAGES = 1024
 _MARKER = re.compile(r"<\|[A-Za-z0-9_]{1,64}\|>")  # special-token-like markers in a template (<|im_end|>)
 
 
@@ -69,6 +74,8 @@ def check_messages(messages: Any, field: str = "messages") -> tuple[list[dict] |
                      "not a list"
     if not messages:
         return None, f"field {field!r} is empty"
+    if len(messages) > MAX_MESSAGES:
+        return None, f"field {field!r} holds {len(messages)} messages, more than {MAX_MESSAGES}"
     out = []
     for i, m in enumerate(messages):
         msg, why = _message(m, f"{field}[{i}]")
@@ -133,14 +140,19 @@ def special_markers(template_source: str) -> list[str]:
     return list(dict.fromkeys(_MARKER.findall(template_source)))
 
 
-def assistant_spans(tpl, messages: list[dict], text: str, bos: str, eos: str) -> tuple[list[tuple[int, int]], str]:
+def assistant_spans(tpl, messages: list[dict], text: str, bos: str, eos: str,
+                    limit: int | None = None) -> tuple[list[tuple[int, int]], str]:
     """Character spans [a, b) of `text` (the whole conversation rendered) that the assistant says: its
-    words and its end-of-turn marker; ([], why) when the template does not render prefixes as prefixes."""
+    words and its end-of-turn marker; ([], why) when the template does not render prefixes as prefixes.
+    `limit`: the character where the kept tokens end; turns that begin past it are not rendered (each turn
+    renders the conversation before it, so a long conversation would cost renders quadratic in its length)."""
     spans = []
     for i, m in enumerate(messages):
         if m["role"] != "assistant":
             continue
         before = tpl.render(messages[:i], add_generation_prompt=True, bos_token=bos, eos_token=eos)
+        if limit is not None and len(before) >= limit and text.startswith(before):
+            break  # this turn and every later one begin after the last kept token
         upto = tpl.render(messages[:i + 1], bos_token=bos, eos_token=eos)
         if not (upto.startswith(before) and text.startswith(upto)):
             return [], f"the chat template does not render message {i}'s conversation as a prefix of the whole " \
@@ -161,7 +173,8 @@ def encode(tok, tpl, messages: list[dict], seq_len: int, train_on: str, bos: str
     if train_on == "all":
         labels = np.ones(len(ids), dtype=np.uint8)
     else:
-        spans, why = assistant_spans(tpl, messages, text, bos, eos)
+        limit = enc.offsets[seq_len][0] if len(enc.offsets) > seq_len else None
+        spans, why = assistant_spans(tpl, messages, text, bos, eos, limit)
         if why:
             return None, None, why
         starts = np.asarray([s for s, _ in enc.offsets], dtype=np.int64)

@@ -277,8 +277,10 @@ class ChatStreamer(Streamer):
         self.stop_ids, self.stop_strings, self.done = set(stop_ids), [t for t in stop_strings if t], False
 
     def _held(self, text: str) -> int:
-        """How many characters at the end of `text` begin a stop string."""
-        return max((k for s in self.stop_strings for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+        """How many characters at the end of `text` begin a stop string (one pass per stop string)."""
+        from llmpipe.infer.stops import held_back
+
+        return held_back(text, self.stop_strings)
 
     def _show(self, text: str) -> None:
         if len(text) > len(self.shown):

@@ -155,7 +155,7 @@ def server(run, tmp_path_factory):
     folder = tmp_path_factory.mktemp("server")
     (folder / "key").write_text(KEY + "\n")
     srv = Server(run, folder / "server.log", "--max-batch", "2", "--max-queue", "1",
-                 "--api-key-file", str(folder / "key"))
+                 "--api-key-file", str(folder / "key"), "--body-timeout", "1")
     yield srv
     srv.stop()
 
@@ -283,6 +283,24 @@ BAD = [
     ("prompt too long", {"model": MODEL, "prompt": "def main(x): " * 2000}, 400, "prompt", "prompt: "),
     ("body too large", {"model": MODEL, "prompt": "x" * (2 << 20)}, 413, None,
      "request body larger than 1048576 bytes"),
+    # issue 36: a stop string is held back token by token, so each is bounded (the streamer's work with it)
+    ("four long stops", {"model": MODEL, "prompt": "x", "stop": ["ab" * 30000] * 4}, 400, "stop",
+     "stop: each at most 256 characters (one has 60000)"),
+    ("a lone surrogate", b'{"model": "run/fp32", "prompt": "a\\ud800b"}', 400, "prompt",
+     "prompt: not valid Unicode text (a lone surrogate U+D800 at character 1)"),
+    ("a surrogate stop", b'{"model": "run/fp32", "prompt": "a", "stop": "\\udfff"}', 400, "stop",
+     "stop: not valid Unicode text (a lone surrogate U+DFFF at character 0)"),
+    ("bytes beyond the context", {"model": MODEL, "prompt": "x" * 1_000_000}, 400, "prompt",
+     "prompt: 1000000 bytes of UTF-8 cannot fit the model's context of 2048 tokens (at most "),
+    ("logprobs", {"model": MODEL, "prompt": "x", "logprobs": 5}, 400, "logprobs",
+     "logprobs: 5 is not supported by this server (it can only be null or false)"),
+    ("echo", {"model": MODEL, "prompt": "x", "echo": True}, 400, "echo",
+     "echo: true is not supported by this server (it can only be null or false)"),
+    ("best_of", {"model": MODEL, "prompt": "x", "best_of": 3}, 400, "best_of",
+     "best_of: 3 is not supported by this server (it can only be null or 1)"),
+    ("n 3", {"model": MODEL, "prompt": "x", "n": 3}, 400, "n", "n: 3 is not supported by this server"),
+    ("a penalty", {"model": MODEL, "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty",
+     "presence_penalty: 0.5 is not supported by this server (it can only be null or 0)"),
 ]
 
 
@@ -301,6 +319,76 @@ def test_a_prompt_longer_than_the_context_says_both_numbers(server):
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "def main(x): " * 2000})
     assert r.json()["error"]["code"] == "context_length_exceeded"
     assert r.json()["error"]["message"].endswith(f"but the model's context holds {CACHE}; shorten it")
+
+
+def test_what_a_client_may_leave_at_its_default_is_accepted(server):
+    body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "logprobs": None, "echo": False, "best_of": 1, "n": 1,
+            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": None}
+    assert _post(server, "/v1/completions", body).status_code == 200
+
+
+def test_a_chat_message_with_a_lone_surrogate_or_asking_for_tools_or_logprobs_is_400_naming_the_field(server):
+    surrogate = b'{"model": "run/fp32", "messages": [{"role": "user", "content": "\\ud83d"}]}'
+    r = _post(server, "/v1/chat/completions", surrogate)
+    assert (r.status_code, r.json()["error"]["param"]) == (400, "messages.0.content")
+    assert r.json()["error"]["message"] == ("messages.0.content: not valid Unicode text (a lone surrogate U+D83D "
+                                            "at character 0)")
+    msgs = [{"role": "user", "content": "hi"}]
+    for field, value in (("logprobs", True), ("tools", [{"type": "function"}]), ("n", 2),
+                         ("response_format", {"type": "json_object"})):
+        r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": msgs, field: value})
+        assert (r.status_code, r.json()["error"]["param"]) == (400, field), r.text
+        assert r.json()["error"]["message"].startswith(f"{field}: {json.dumps(value)} is not supported")
+    assert "Traceback" not in server.log.read_text()
+
+
+def test_health_answers_while_large_requests_are_parsed_rendered_and_tokenized(server):
+    """Two chat bodies of 24,000 messages, just under 1 MiB (each refused in the end: too long for the context),
+    take the server seconds to parse, render and tokenize; that work runs in worker threads, so most of ten /health
+    requests sent one after another meanwhile are answered before both large requests are. On the event loop
+    a /health could be answered only before each large one began (two or three at most); here nine or ten
+    are (at least five asserted: the GIL is shared, so a /health is slower while they run)."""
+    msgs = [{"role": "user" if i % 2 == 0 else "assistant", "content": "x"} for i in range(24_000)]
+    big = {"model": MODEL, "messages": msgs}
+    done: list[int] = []
+    senders = [threading.Thread(target=lambda: done.append(_post(server, "/v1/chat/completions", big).status_code))
+               for _ in range(2)]
+    for t in senders:
+        t.start()
+    answered_before = 0
+    try:
+        for _ in range(10):
+            assert httpx.get(f"{server.url}/health", timeout=60).status_code == 200
+            answered_before += len(done) < 2
+    finally:
+        for t in senders:
+            t.join()
+    assert done == [400, 400]
+    assert answered_before >= 5
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408(server):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+                     "Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{".encode())
+        reply = sock.recv(65536).decode()
+    assert reply.startswith("HTTP/1.1 408 ")
+    assert '"message":"the request body did not arrive within 1 s"' in reply
+
+
+def test_connections_beyond_the_limit_get_503_at_once(server):
+    from llmpipe.tools.serve import connection_limit
+
+    idle = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(connection_limit(2, 1))]
+    try:
+        assert httpx.get(f"{server.url}/health", timeout=30).status_code == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{server.url}/health", timeout=30).status_code != 200:  # uvicorn sees them close
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
 
 
 def test_bad_chat_messages_are_a_4xx_with_openais_error_object(server):
@@ -507,6 +595,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(server):
                               json={"model": MODEL, "prompt": "x"})
             assert late.status_code == 503
             assert late.json()["error"]["message"] == "the server is shutting down"
+            health = httpx.get(f"{server.url}/health")  # a load balancer stops sending here
+            assert (health.status_code, health.json()["status"]) == (503, "draining")
             rest = [line for line in lines if line]
     assert rest[-1] == "data: [DONE]"
     assert json.loads(rest[-2][6:])["usage"]["completion_tokens"] == LONG

@@ -139,6 +139,57 @@ def test_a_conversation_whose_answer_is_cut_off_by_seq_len_is_a_bad_record(byte_
     assert _trained(byte_tokenizer, ids, labels) == ["4", "2"]
 
 
+def test_a_conversation_of_more_messages_than_the_cap_is_a_bad_record(tmp_path):
+    pairs = [U, A] * ((chat.MAX_MESSAGES + 2) // 2)
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"messages": pairs}) + "\n" + json.dumps({"messages": [U, A]}) + "\n")
+    convs, log = _read(path, "jsonl")
+    assert convs == [[U, A]] and log["counts"] == {"bad_record": 1}
+    assert log["examples"][0]["reason"] == f"field 'messages' holds {len(pairs)} messages, more than 1024"
+
+
+class _Counted:
+    """A template that counts its renders."""
+
+    def __init__(self, tpl):
+        self.tpl, self.end_of_turn, self.renders = tpl, tpl.end_of_turn, 0
+
+    def render(self, *args, **kwargs):
+        self.renders += 1
+        return self.tpl.render(*args, **kwargs)
+
+
+def test_a_long_conversation_renders_only_the_turns_that_begin_within_seq_len(byte_tokenizer):
+    """120 KB of 120 messages: every assistant turn used to render the conversation before it (121 renders of
+    up to the whole record: quadratic, 70 hours at the 16 MiB record limit); now the whole once and the turns
+    until seq_len is reached."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:04d}" + "y" * 996}
+                for i in range(120)]
+    tpl = _Counted(builtin_template("chatml"))
+    ids, labels, why = chat.encode(byte_tokenizer, tpl, messages, 2048, "assistant")
+    assert why == "" and len(ids) == 2048
+    assert tpl.renders == 1 + 2 * 1 + 1  # the whole, the first answer's two prefixes, the second's first
+    assert _trained(byte_tokenizer, ids, labels)[:5] == ["0", "0", "0", "1", "y"]
+
+
+def test_turns_past_seq_len_left_unrendered_give_the_labels_every_turn_rendered_gives(byte_tokenizer):
+    tpl = builtin_template("chatml")
+    messages = [S, U, A, {"role": "user", "content": "And 1 + 1?"}, {"role": "assistant", "content": "2."}] + \
+        [U, A] * 3
+    whole = tpl.render(messages)
+    enc = byte_tokenizer.encode(whole, add_special_tokens=False)
+    for seq_len in (60, 100, 130, 170, 400):
+        ids, labels, _ = chat.encode(byte_tokenizer, tpl, messages, seq_len, "assistant")
+        spans, _ = chat.assistant_spans(tpl, messages, whole, "", "")  # every turn rendered
+        starts = np.asarray([a for a, _ in enc.offsets])
+        want = np.zeros(len(enc.ids), np.uint8)
+        for a, b in spans:
+            want[(starts >= a) & (starts < b)] = 1
+        want = want[:seq_len]
+        want[:1] = 0
+        assert labels.tolist() == want.tolist(), seq_len
+
+
 def _packed_and_unpacked(seq_len: int):
     rng = np.random.default_rng(0)
     docs = []

@@ -90,6 +90,52 @@ def test_a_template_that_escapes_fails_or_is_too_big_is_refused_in_one_line(sour
     assert str(err.value) == message
 
 
+_MAX = "(at most 67108864))"
+SINGLE_CALLS = [  # issue 36: each would allocate a gigabyte or more in one call; refused before the call
+    ("percent width", "{{ '%01500000000d' % 1 }}", "SecurityError: '%' formatting would make 1500000014 characters"),
+    ("percent precision", "{{ '%.1500000000f' % 1.0 }}",
+     "SecurityError: '%' formatting would make 1500000016 characters"),
+    ("percent star width", "{{ '%*d' % (1500000000, 1) }}",
+     "SecurityError: '%' formatting would make 1500000014 characters"),
+    ("str.format width", "{{ '{:>1500000000}'.format(1) }}", "SecurityError: str.format would make 1500000015 "
+     "characters"),
+    ("str.replace", "{{ ('x' * 60000000).replace('x', 'yy') }}",
+     "SecurityError: str.replace would make 120000000 characters"),
+    ("str.center", "{{ ('x' * 60000000).center(16000000) ~ ('x' * 60000000).replace('x', 'yy') }}",
+     "SecurityError: str.replace would make 120000000 characters"),
+    ("str.ljust", "{{ 'x'.ljust(16000000).ljust(16000000) ~ '' }}{% set a = 'x'.ljust(16000000) %}"
+     "{{ ''.join([a, a, a, a, a]) }}", "SecurityError: str.join would make 80000000 characters"),
+    ("tilde concatenation", "{% set a = 'x'.zfill(16000000) %}{{ a ~ a ~ a ~ a ~ a }}",
+     "SecurityError: '~' would make 80000000 characters"),
+    ("str.expandtabs", "{{ ('\t' * 10000000).expandtabs(100) }}",
+     "SecurityError: str.expandtabs would make 1000000000 characters"),
+    ("str concatenation", "{% set a = 'x' * 60000000 %}{{ a + a }}", "SecurityError: '+' would make 120000000 "
+     "characters"),
+    ("join filter", "{% set a = 'x'.ljust(16000000) %}{{ [a, a, a, a, a]|join }}",
+     "SecurityError: |join would make 80000000 characters"),
+    ("indent filter", "{{ ('x\n' * 30000000)|indent(10) }}", "SecurityError: |indent would make 360000010 "
+     "characters"),
+    ("sum of lists", "{{ ([range(100000)|list] * 100000)|sum(start=[]) }}",
+     "SecurityError: |sum would make 10000000000 characters"),
+]
+
+
+@pytest.mark.parametrize("source,error", [c[1:] for c in SINGLE_CALLS], ids=[c[0] for c in SINGLE_CALLS])
+def test_a_single_call_that_would_make_too_much_text_is_refused_before_it_runs(source, error):
+    with pytest.raises(TemplateError) as err:
+        load_template(source, "evil.jinja")
+    assert str(err.value) == f"chat template evil.jinja: failed to render ({error} {_MAX}"
+
+
+def test_the_time_limit_sees_the_work_of_filters_not_only_the_templates_lines(monkeypatch):
+    """`|map|sum` over a range runs in jinja's filters (no line of the template's own) for minutes."""
+    monkeypatch.setattr(tmod, "RENDER_SECONDS", 0.05)
+    with pytest.raises(TemplateError) as err:
+        load_template("{{ range(100000)|map('string')|map('center', 1000000)|map('length')|sum }}", "slow.jinja")
+    assert str(err.value) == ("chat template slow.jinja: rendering took longer than 0.05 s (a loop that does not "
+                              "end?)")
+
+
 def test_a_template_that_renders_too_long_is_stopped_at_the_time_limit(monkeypatch):
     monkeypatch.setattr(tmod, "RENDER_SECONDS", 0.05)
     with pytest.raises(TemplateError, match=r"^chat template slow.jinja: rendering took longer than 0.05 s"):

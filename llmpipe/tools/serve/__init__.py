@@ -16,6 +16,8 @@ seconds, then they are cut), the process exits 0.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 import threading
 import time
 from pathlib import Path
@@ -70,18 +72,29 @@ def evaluation_problem(run_dir: Path, variant: str) -> str | None:
 
 
 def read_key(path: str) -> str:
+    """The key in `path`: a regular file (a FIFO or a device would block the start or never end) of UTF-8 text
+    holding one key; ConfigError (one line) otherwise."""
     try:
-        with open(path, "rb") as f:  # at most one byte past the limit, whatever the file holds
-            raw = f.read(MAX_KEY_BYTES + 1)
+        # NOTE: O_NONBLOCK: opening a FIFO for reading would wait for a writer; the fstat below refuses it
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         raise ConfigError(f"--api-key-file {path}: {err.strerror or err}") from None
-    key = raw.decode("utf-8", "replace").strip()
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"--api-key-file {path}: not a regular file")
+        raw = f.read(MAX_KEY_BYTES + 1)  # at most one byte past the limit, whatever the file holds
+    try:
+        key = raw.decode("utf-8").strip()
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--api-key-file {path}: not UTF-8 text (byte {err.start}); a key a client cannot "
+                          "send would lock every client out") from None
     if len(raw) > MAX_KEY_BYTES or not key or any(c.isspace() for c in key):
         raise ConfigError(f"--api-key-file {path}: must hold one key (no spaces, at most {MAX_KEY_BYTES} bytes)")
     return key
 
 
-def check_options(host: str, port: int, max_batch: int, max_queue: int, drain_timeout: float) -> None:
+def check_options(host: str, port: int, max_batch: int, max_queue: int, drain_timeout: float,
+                  body_timeout: float = 10.0) -> None:
     if not 0 <= port <= 65535:
         raise ConfigError(f"--port {port}: must be between 0 and 65535")
     if not 1 <= max_batch <= 256:
@@ -90,6 +103,8 @@ def check_options(host: str, port: int, max_batch: int, max_queue: int, drain_ti
         raise ConfigError(f"--max-queue {max_queue}: must be between 0 and 100000")
     if not 0 <= drain_timeout <= 3600:
         raise ConfigError(f"--drain-timeout {drain_timeout:g}: must be between 0 and 3600 seconds")
+    if not 0.1 <= body_timeout <= 600:
+        raise ConfigError(f"--body-timeout {body_timeout:g}: must be between 0.1 and 600 seconds")
     if not host:
         raise ConfigError("--host: empty")
 
@@ -139,6 +154,19 @@ def _slots(loaded, max_batch: int):
             "one PyTorch engine per slot, stepped in turn (no batched step)")
 
 
+def max_token_bytes(tokenizer) -> int:
+    """The most UTF-8 bytes of any token's string in the vocabulary (special tokens included): a byte-level
+    token's string spends at least one character per byte, a SentencePiece one more (`<0x41>`, `▁`), so a
+    token never stands for more bytes of text than this."""
+    return max((len(t.encode("utf-8", "replace")) for t in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+
+
+def connection_limit(max_batch: int, max_queue: int) -> int:
+    """uvicorn's limit_concurrency: connections (and tasks) beyond it get 503 at once. Room for every request
+    that may decode or wait, plus health checks, scrapes and those refused with 429."""
+    return max_batch + max_queue + 32
+
+
 def check_listen(host: str, port: int) -> None:
     """One line, before any model loads, when `host:port` cannot be listened on (a port in use, a host that
     does not resolve or is not this machine's), instead of uvicorn's error after the load."""
@@ -158,14 +186,14 @@ def check_listen(host: str, port: int) -> None:
 
 def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, max_batch: int, max_queue: int,
               api_key_file: str | None, allow_ungated: bool, threads: int | None = None,
-              drain_timeout: float = 30.0) -> int:
+              drain_timeout: float = 30.0, body_timeout: float = 10.0) -> int:
     import uvicorn
 
     from llmpipe.tools.generate import chat_stops, open_run, run_template
     from llmpipe.tools.serve.app import Metrics, Served, build_app
     from llmpipe.tools.serve.scheduler import Scheduler
 
-    check_options(host, port, max_batch, max_queue, drain_timeout)
+    check_options(host, port, max_batch, max_queue, drain_timeout, body_timeout)
     key = read_key(api_key_file) if api_key_file else None
     check_listen(host, port)
     problem = gate_problem(run_dir, variant)
@@ -183,10 +211,12 @@ def run_serve(run_dir: Path, run_name: str, variant: str, host: str, port: int, 
     metrics = Metrics()
     scheduler = Scheduler(slots, loaded.tokenizer, max_queue, metrics)
     served = Served(f"{run_name}/{variant}", loaded.tokenizer, loaded.engine.capacity, loaded.eos_ids, template,
-                    stop_ids, stop_strings, scheduler, metrics, key, created=int(time.time()))
+                    stop_ids, stop_strings, scheduler, metrics, key, created=int(time.time()),
+                    max_token_bytes=max_token_bytes(loaded.tokenizer), body_timeout=body_timeout)
     app = build_app(served)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
-                            lifespan="off", server_header=False)
+                            lifespan="off", server_header=False, timeout_keep_alive=5,
+                            limit_concurrency=connection_limit(max_batch, max_queue))
     server = _DrainingServer(config, served, drain_timeout)
     scheduler.start()
     log.info("serve: %s (%s; %s), up to %d at once, %d waiting%s", served.name, loaded.describe, how,

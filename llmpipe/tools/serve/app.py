@@ -2,8 +2,12 @@
 /v1/chat/completions (streamed as server-sent events with `stream: true`, ending `data: [DONE]`),
 GET /health (200 once the model is loaded) and GET /metrics (Prometheus' text format).
 
-Every request body is untrusted: read up to MAX_BODY_BYTES, parsed as JSON, checked field by field;
-anything wrong is a 4xx with OpenAI's error object naming the field, never a 500 or a traceback.
+Every request body is untrusted: read up to MAX_BODY_BYTES within --body-timeout, parsed as JSON, checked
+field by field (a lone surrogate in a text, a stop string longer than MAX_STOP_CHARS, a field of OpenAI's
+API this server cannot honour such as `logprobs` or `echo`: each refused naming the field); anything wrong
+is a 4xx with OpenAI's error object naming the field, never a 500 or a traceback. A prompt whose UTF-8
+length cannot fit the context is refused before it is tokenized, and parsing, rendering and tokenizing
+run in a worker thread, so one large request never holds up the event loop (/health, other clients).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from llmpipe.errors import UserError
@@ -27,6 +32,19 @@ from llmpipe.tools.serve.scheduler import Job, QueueFull
 
 MAX_BODY_BYTES = 1 << 20  # a prompt of a 32k-token context is ~150 KB of text
 MAX_STOPS = 4  # as OpenAI
+MAX_STOP_CHARS = 256  # each stop string; the streamer holds back at most this much text
+# NOTE: a token stands for at most `max_token_bytes` bytes of normalized text, and a normalizer shrinks a
+# character to no fewer than a quarter of its bytes (full-width forms, ligatures): beyond this factor a
+# prompt cannot fit the context, whatever the tokenizer makes of it.
+NORMALIZER_SHRINK = 4
+# Fields of OpenAI's API the server cannot honour: refused unless they hold the value that asks for nothing.
+UNSUPPORTED = {
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "n": (None, 1),
+}
 DISCONNECT_POLL_S = 0.25
 
 
@@ -61,6 +79,8 @@ class Served:
     metrics: Metrics
     api_key: str | None = None
     draining: bool = False
+    max_token_bytes: int = 64  # the most UTF-8 bytes one token's text holds (set from the tokenizer's vocabulary)
+    body_timeout: float = 10.0  # seconds a body may take to arrive (a client trickling bytes holds a connection)
     created: int = 0
 
 
@@ -111,37 +131,96 @@ def _not_json(name: str) -> None:
     raise ValueError(f"{name} is not a JSON number")
 
 
-async def _read_json(request: Request) -> Any:
+async def _read_body(request: Request, timeout: float) -> bytes:
     size = request.headers.get("content-length")
     if size is not None and (not size.isdigit() or int(size) > MAX_BODY_BYTES):
         raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
     body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-        if len(body) > MAX_BODY_BYTES:
-            raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    try:
+        async with asyncio.timeout(timeout):
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > MAX_BODY_BYTES:
+                    raise ApiError(413, f"request body larger than {MAX_BODY_BYTES} bytes")
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout:g} s") from None
+    return bytes(body)
+
+
+def _json(body: bytes) -> Any:
     try:
         return json.loads(body, parse_constant=_not_json)
     except (ValueError, RecursionError) as err:
         raise ApiError(400, f"the body is not valid JSON ({str(err)[:80]})") from None
 
 
+def _unsupported(data: dict) -> None:
+    for name, nothing in UNSUPPORTED.items():
+        value = data.get(name)
+        # NOTE: compared by type too: 0 == False, and `logprobs: 0` asks for something
+        if not any(type(value) is type(v) and value == v for v in nothing):
+            raise ApiError(400, f"{name}: {json.dumps(value)[:40]} is not supported by this server (it can only "
+                           f"be {' or '.join(json.dumps(v) for v in nothing)})", param=name)
+
+
+def _no_surrogate(field: str, text: str) -> None:
+    """400 for a text with a lone surrogate (JSON's \\ud800 escapes make one): it has no UTF-8 form, so no
+    tokenizer can take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ApiError(400, f"{field}: not valid Unicode text (a lone surrogate U+{ord(text[err.start]):04X} at "
+                       f"character {err.start})", param=field) from None
+
+
+def _texts(body: _Body) -> None:
+    if isinstance(body, CompletionBody):
+        _no_surrogate("prompt", body.prompt)
+    else:
+        for i, m in enumerate(body.messages):
+            _no_surrogate(f"messages.{i}.content", m.content)
+    stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    for s in stops:
+        _no_surrogate("stop", s)
+
+
 def _parse(model: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
         raise ApiError(400, "the body must be a JSON object")
+    _unsupported(data)
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except ValidationError as err:
         first = err.errors()[0]
         field = ".".join(str(p) for p in first["loc"]) or None
         raise ApiError(400, f"{field}: {first['msg']}", param=field) from None
+    _texts(body)
+    _stops(body)
+    return body
 
 
 def _stops(body: _Body) -> list[str]:
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     if len(stops) > MAX_STOPS or any(not s for s in stops):
         raise ApiError(400, f"stop: at most {MAX_STOPS} non-empty strings", param="stop")
+    longest = max(map(len, stops), default=0)
+    if longest > MAX_STOP_CHARS:
+        raise ApiError(400, f"stop: each at most {MAX_STOP_CHARS} characters (one has {longest})", param="stop")
     return stops
+
+
+def fits_bytes(s: Served) -> int:
+    """The most UTF-8 bytes a text may have and still fit the context (see NORMALIZER_SHRINK)."""
+    return s.capacity * s.max_token_bytes * NORMALIZER_SHRINK
+
+
+def _check_size(s: Served, field: str, texts: list[str]) -> None:
+    """400 before tokenizing a text that cannot fit the context, however the tokenizer splits it."""
+    size = sum(len(t) for t in texts)  # characters: a lower bound of the bytes, checked first (cheap)
+    if size > fits_bytes(s) or sum(len(t.encode("utf-8")) for t in texts) > fits_bytes(s):
+        raise ApiError(400, f"{field}: {sum(len(t.encode('utf-8')) for t in texts)} bytes of UTF-8 cannot fit the "
+                       f"model's context of {s.capacity} tokens (at most {fits_bytes(s)} bytes); shorten it",
+                       param=field, code="context_length_exceeded")
 
 
 def _job(s: Served, body: _Body, ids: list[int], max_tokens: int | None, field: str, stop_ids: list[int],
@@ -279,7 +358,9 @@ def build_app(s: Served) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return {"status": "draining" if s.draining else "ok", "model": s.name}
+        if s.draining:  # a load balancer stops sending here
+            return JSONResponse({"status": "draining", "model": s.name}, status_code=503)
+        return {"status": "ok", "model": s.name}
 
     @app.get("/metrics")
     async def metrics():
@@ -295,11 +376,15 @@ def build_app(s: Served) -> FastAPI:
             raise ApiError(404, f"model: {body.model!r} is not served here (this server serves {s.name!r})",
                            param="model", code="model_not_found")
 
+    def completion_ids(raw: bytes) -> tuple[CompletionBody, list[int]]:  # in a worker thread
+        body = _parse(CompletionBody, _json(raw))
+        check_model(body)
+        _check_size(s, "prompt", [body.prompt])
+        return body, s.tokenizer.encode(body.prompt).ids
+
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = _parse(CompletionBody, await _read_json(request))
-        check_model(body)
-        ids = s.tokenizer.encode(body.prompt).ids
+        body, ids = await run_in_threadpool(completion_ids, await _read_body(request, s.body_timeout))
         job = _job(s, body, ids, body.max_tokens, "prompt", s.eos_ids, _stops(body))
         _submit(s, job)
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -316,20 +401,24 @@ def build_app(s: Served) -> FastAPI:
         text = await _collect(job, request)
         return {**chunk(text, job.finish_reason), "usage": _usage(job)}
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
-        body = _parse(ChatBody, await _read_json(request))
+    def chat_ids(raw: bytes) -> tuple[ChatBody, list[int]]:  # in a worker thread
+        body = _parse(ChatBody, _json(raw))
         check_model(body)
         if s.template is None:
             raise ApiError(400, f"{s.name} has no chat template (it was trained on text); use /v1/completions",
                            param="messages")
+        _check_size(s, "messages", [m.content for m in body.messages])
         msgs = [m.model_dump() for m in body.messages]
         try:
             t = s.template
             text = t.template.render(msgs, add_generation_prompt=True, bos_token=t.bos_token, eos_token=t.eos_token)
         except UserError as err:
             raise ApiError(400, f"messages: {err}", param="messages") from None
-        ids = s.tokenizer.encode(text).ids
+        return body, s.tokenizer.encode(text).ids
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request):
+        body, ids = await run_in_threadpool(chat_ids, await _read_body(request, s.body_timeout))
         job = _job(s, body, ids, body.max_completion_tokens or body.max_tokens, "messages", s.chat_stop_ids,
                    [*s.chat_stop_strings, *_stops(body)])
         _submit(s, job)
