@@ -429,7 +429,8 @@ def run(ctx: StageContext) -> StageResult:
     if not specs:
         raise StageError(f"evaluate: nothing to evaluate: {'; '.join(f'{t} {w}' for t, w in skipped.items())}")
     manager = task_manager(plan)
-    check_tasks(specs, manager)  # before any model: unknown names, datasets not on disk
+    with eval_tasks.sandboxed_templates():
+        check_tasks(specs, manager)  # before any model: unknown names, datasets not on disk
 
     eos, prefix = special_ids(ctx, tokenizer, args.vocab_size)
     stop_ids = chat[2] if chat else []
@@ -444,7 +445,7 @@ def run(ctx: StageContext) -> StageResult:
         models.append((name, lambda n=name: engine_lm(ctx, n, args, tokenizer, eos, prefix, stop_ids, e, threads)))
 
     outputs: dict[str, dict] = {}
-    with env_info_once():
+    with env_info_once(), eval_tasks.sandboxed_templates():  # a task file's templates are untrusted
         for name, opener in models:
             log.info("evaluate: %s on %s", name, ", ".join(s if isinstance(s, str) else s["task"] for s in specs))
             outputs[name] = evaluate(opener(), specs, manager, e)

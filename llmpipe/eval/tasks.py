@@ -12,8 +12,15 @@ evaluate.tasks lists any of:
     llmpipe_chat_qa  chat runs with evaluate.chat_questions: each held-out conversation's last question
                      in the run's chat template (as training rendered it), the answer generated greedily
                      until the template's end of turn, exact match against the conversation's answer;
-- a path to a task YAML file (lm_eval's format) inside the project (the working folder) or the run;
-  its data files must lie there too, and `!function` (which runs Python) is refused;
+- a path to a task YAML file (lm_eval's format) inside the project (the working folder) or the run, checked
+  before it is used (read_task_yaml): `!function` and any other tag (they run Python), `include`, YAML
+  anchors and aliases (a few hundred bytes of them expand to gigabytes) and `custom_dataset` are refused;
+  a template (any string holding `{{`, `{%` or `{#`) may hold only plain field references such as
+  `{{question}}`, `{{choices.text}}` or `{{answers[0]}}` (no calls, filters, statements or names beginning
+  with `_`); every dataset source (dataset_path when it names a local path, dataset_kwargs' data_files,
+  data_dir and cache_dir) must lie in the project or the run, with no URL; dataset_kwargs may not ask for
+  trust_remote_code, storage_options, download_config or token. During the stage lm_eval's templates are
+  rendered in jinja2's ImmutableSandboxedEnvironment besides (sandboxed_templates);
 - an lm_eval task name (`arc_easy`, `hellaswag`, `mmlu`): its dataset must already be in the local Hugging
   Face cache, as everything runs offline (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1).
 
@@ -24,9 +31,11 @@ and the benchmark's variants, read off their manifests), so a re-timed benchmark
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -72,9 +81,107 @@ def _inside(path: Path, roots: list[Path]) -> bool:
     return any(resolved.is_relative_to(r.resolve()) for r in roots)
 
 
+# a plain field reference: a name, then attributes and subscripts (a number or a quoted key); no name begins
+# with `_` (the way out of any sandbox: __class__, __globals__)
+_NAME = r"[A-Za-z][A-Za-z0-9_]*"
+_REFERENCE = re.compile(r"\{\{-?\s*" + _NAME + r"(?:\." + _NAME + r"|\[\d+\]|\['[^'\\{}]*'\]|\[\"[^\"\\{}]*\"\])*"
+                        r"\s*-?\}\}")
+_JINJA = ("{{", "{%", "{#")
+DATASET_KWARGS_REFUSED = ("trust_remote_code", "storage_options", "download_config", "token")
+
+
+def _no_aliases(text: str, path: Path, option: str) -> None:
+    """Refuse YAML anchors and aliases before anything is built: the parser's events, not the tree."""
+    for event in yaml.parse(text, Loader=yaml.SafeLoader):
+        if isinstance(event, yaml.AliasEvent) or getattr(event, "anchor", None):
+            raise EvalTaskError(f"{option}: {path}: line {event.start_mark.line + 1}: YAML anchors and aliases "
+                                "(&name, *name) are not accepted; write the task out in full")
+
+
+def _strings(tree: Any, key: str = ""):
+    """(key path, string) of every string in a parsed YAML tree, keys included."""
+    if isinstance(tree, str):
+        yield key, tree
+    elif isinstance(tree, dict):
+        for k, v in tree.items():
+            where = f"{key}.{k}" if key else str(k)
+            yield from _strings(k, where)
+            yield from _strings(v, where)
+    elif isinstance(tree, list):
+        for i, v in enumerate(tree):
+            yield from _strings(v, f"{key}[{i}]")
+
+
+def _check_templates(tree: dict, path: Path, option: str) -> None:
+    for key, text in _strings(tree):
+        rest = _REFERENCE.sub("", text)
+        if any(t in rest for t in _JINJA):
+            raise EvalTaskError(f"{option}: {path}: {key}: only plain field references ({{{{field}}}}, "
+                                f"{{{{field.name}}}}, {{{{field[0]}}}}) are accepted in a template, not "
+                                f"{text[:60]!r}")
+
+
+def _local(value: str, path: Path, root: Path) -> list[Path]:
+    """Where a dataset source may be read from: relative to the project (the process's working folder, as
+    `datasets` resolves it) and to the YAML's folder (as this project writes data_files)."""
+    p = Path(value).expanduser()
+    return [p] if p.is_absolute() else [root / p, path.parent / p]
+
+
+def _check_sources(tree: dict, path: Path, roots: list[Path], option: str) -> None:
+    if "custom_dataset" in tree:
+        raise EvalTaskError(f"{option}: {path}: custom_dataset: not accepted (it runs Python)")
+    dataset = tree.get("dataset_path")
+    if isinstance(dataset, str) and ("://" in dataset or "::" in dataset):
+        raise EvalTaskError(f"{option}: {path}: dataset_path: {dataset!r} is a URL; only local data or the "
+                            "Hugging Face cache are read")
+    if isinstance(dataset, str) and (dataset.startswith((".", "~", "/")) or
+                                     any(p.exists() for p in _local(dataset, path, roots[0]))):
+        if not all(_inside(p, roots) for p in _local(dataset, path, roots[0])):
+            raise EvalTaskError(f"{option}: {path}: dataset_path: {dataset} is outside the project and the run; "
+                                "refusing to read it")
+    kwargs = tree.get("dataset_kwargs") or {}
+    if not isinstance(kwargs, dict):
+        raise EvalTaskError(f"{option}: {path}: dataset_kwargs: not a mapping")
+    for key in DATASET_KWARGS_REFUSED:
+        if kwargs.get(key):
+            raise EvalTaskError(f"{option}: {path}: dataset_kwargs.{key}: not accepted")
+    for key in ("data_dir", "cache_dir"):
+        value = kwargs.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, str) or "://" in value or "::" in value or \
+                not all(_inside(p, roots) for p in _local(value, path, roots[0])):
+            raise EvalTaskError(f"{option}: {path}: dataset_kwargs.{key}: {value} is outside the project and the "
+                                "run; refusing to read it")
+    for f in _data_file_names(tree):
+        if "://" in f or "::" in f:
+            raise EvalTaskError(f"{option}: {path}: dataset_kwargs.data_files: {f} is a URL; only local files "
+                                "are read")
+
+
+@contextlib.contextmanager
+def sandboxed_templates():
+    """lm_eval renders a task's templates (doc_to_text, ...) in a plain jinja2 Environment, in which a
+    template can reach Python (`cycler.__init__.__globals__.os`); while this is entered, it renders them in
+    jinja2's ImmutableSandboxedEnvironment with the same settings instead."""
+    from jinja2 import BaseLoader, StrictUndefined
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+    from lm_eval import utils
+
+    env = ImmutableSandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+    env.filters.update({k: v for k, v in utils.env.filters.items() if k == "regex_replace"})
+    plain, utils.env = utils.env, env
+    try:
+        yield env
+    finally:
+        utils.env = plain
+
+
 def read_task_yaml(path: Path, roots: list[Path], option: str = "evaluate.tasks") -> dict[str, Any]:
-    """A user's task YAML, parsed safely: inside `roots`, a mapping with a `task` name, data files inside
-    `roots`; `!function` and other tags refused. One line (EvalTaskError) naming the file otherwise."""
+    """A user's task YAML, parsed safely and checked (see the module's docstring): inside `roots`, a mapping
+    with a `task` name, no tags, anchors or aliases, plain field references in its templates, its dataset
+    sources inside `roots`. One line (EvalTaskError) naming the file and the key otherwise."""
     if not path.is_file():
         raise EvalTaskError(f"{option}: {path}: task file not found")
     if not _inside(path, roots):
@@ -84,7 +191,9 @@ def read_task_yaml(path: Path, roots: list[Path], option: str = "evaluate.tasks"
     if len(raw) > MAX_YAML_BYTES:
         raise EvalTaskError(f"{option}: {path}: larger than {MAX_YAML_BYTES} bytes")
     try:
-        tree = yaml.safe_load(raw.decode("utf-8"))
+        text = raw.decode("utf-8")
+        _no_aliases(text, path, option)
+        tree = yaml.safe_load(text)
     except (yaml.YAMLError, UnicodeDecodeError) as err:
         first = str(err).strip().splitlines()[0]
         hint = " (`!function` runs Python and is not accepted here)" if "!function" in str(err) else ""
@@ -93,6 +202,8 @@ def read_task_yaml(path: Path, roots: list[Path], option: str = "evaluate.tasks"
         raise EvalTaskError(f"{option}: {path}: not a task YAML (a mapping with a `task` name)")
     if "include" in tree:
         raise EvalTaskError(f"{option}: {path}: `include` is not accepted; write the task out in full")
+    _check_templates(tree, path, option)
+    _check_sources(tree, path, roots, option)
     for f in data_files(tree, path):
         if not _inside(f, roots):
             raise EvalTaskError(f"{option}: {path}: its data file {f} is outside the project and the run; "
@@ -102,17 +213,20 @@ def read_task_yaml(path: Path, roots: list[Path], option: str = "evaluate.tasks"
 
 def data_files(tree: dict[str, Any], path: Path) -> list[Path]:
     """The local files a task YAML's dataset_kwargs.data_files names (relative to the YAML's folder)."""
+    out = []
+    for f in _data_file_names(tree):
+        p = Path(f)
+        out.append(p if p.is_absolute() else path.parent / p)
+    return out
+
+
+def _data_file_names(tree: dict[str, Any]) -> list[str]:
     kwargs = tree.get("dataset_kwargs") or {}
     files = kwargs.get("data_files") if isinstance(kwargs, dict) else None
     if files is None:
         return []
     values = files.values() if isinstance(files, dict) else [files]
-    out = []
-    for v in values:
-        for f in v if isinstance(v, list) else [v]:
-            p = Path(str(f))
-            out.append(p if p.is_absolute() else path.parent / p)
-    return out
+    return [str(f) for v in values for f in (v if isinstance(v, list) else [v])]
 
 
 def task_config(path: Path, tree: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -186,10 +300,14 @@ def fingerprint_extra(cfg) -> dict[str, Any]:
         if entry != LOCAL and is_path(entry):
             path = Path(entry)
             try:
-                tree = yaml.safe_load(path.read_text(encoding="utf-8")) if path.is_file() else None
+                tree = None
+                if path.is_file() and path.stat().st_size <= MAX_YAML_BYTES:
+                    text = path.read_text(encoding="utf-8")
+                    _no_aliases(text, path, "evaluate.tasks")  # never expand an alias bomb, here either
+                    tree = yaml.safe_load(text)
                 paths = [path, *(data_files(tree, path) if isinstance(tree, dict) else [])]
                 files[entry] = {str(p): sha256(p) if p.is_file() else None for p in paths}
-            except (OSError, yaml.YAMLError, UnicodeDecodeError):
+            except (OSError, yaml.YAMLError, UnicodeDecodeError, EvalTaskError):
                 files[entry] = "unreadable"
     questions = cfg.evaluate.chat_questions
     if questions and cfg.data.format == "chat":

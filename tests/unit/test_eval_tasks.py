@@ -121,3 +121,83 @@ def test_an_unknown_task_name_is_one_line(tmp_path):
         check_tasks(task_specs(plan, {}, [tmp_path]), TaskManager(include_defaults=False))
     assert str(err.value) == ("evaluate.tasks: unknown task 'hellaswagg' (not an lm_eval task, group or tag; "
                               "`lm-eval ls tasks` lists them)")
+
+
+# --------------------------------------------------------------------------- issue 36: what a task file may hold
+
+PAYLOAD = "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}"
+
+
+@pytest.mark.parametrize("key,template", [
+    ("doc_to_text", PAYLOAD),
+    ("doc_to_target", "{% set x = cycler.__init__.__globals__.os.system('touch PWNED') %}{{x}}"),
+    ("doc_to_choice", "{{ question|attr('__class__') }}"),
+    ("description", "{{ lipsum.__globals__['os'].system('touch PWNED') }}"),
+])
+def test_a_task_template_that_is_more_than_field_references_is_refused_and_runs_nothing(tmp_path, project,
+                                                                                        monkeypatch, key, template):
+    monkeypatch.chdir(project)
+    (project / "evil.yaml").write_text(f"task: evil\ndataset_path: json\n{key}: \"{template}\"\n")
+    with pytest.raises(eval_tasks.EvalTaskError) as err:
+        _plan(tmp_path, "evil.yaml")
+    assert str(err.value) == (f"evaluate.tasks: {project / 'evil.yaml'}: {key}: only plain field references "
+                              f"({{{{field}}}}, {{{{field.name}}}}, {{{{field[0]}}}}) are accepted in a template, "
+                              f"not {template[:60]!r}")
+    assert not (project / "PWNED").exists()
+
+
+def test_plain_field_references_are_accepted(tmp_path, project):
+    (project / "ok.yaml").write_text("task: ok\ndataset_path: json\ndoc_to_text: \"Q: {{question}}\\nA:\"\n"
+                                     "doc_to_choice: \"{{choices.text}}\"\ndoc_to_target: \"{{answers['text'][0]}}\"\n")
+    assert list(_plan(tmp_path, "ok.yaml").yamls) == ["ok"]
+
+
+def test_yaml_anchors_and_aliases_are_refused_before_they_expand(tmp_path, project):
+    bomb = "task: t\na: &a [x, x, x, x, x, x, x, x, x]\n" + "".join(
+        f"{n}: &{n} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n" for p, n in zip("abcdefgh", "bcdefghi"))
+    (project / "bomb.yaml").write_text(bomb)  # 9^9 strings once expanded
+    with pytest.raises(eval_tasks.EvalTaskError) as err:
+        _plan(tmp_path, "bomb.yaml")
+    assert str(err.value) == (f"evaluate.tasks: {project / 'bomb.yaml'}: line 2: YAML anchors and aliases (&name, "
+                              "*name) are not accepted; write the task out in full")
+
+
+@pytest.mark.parametrize("source,message", [
+    ("dataset_path: {outside}", "dataset_path: {outside} is outside the project and the run; refusing to read it"),
+    ("dataset_path: ../elsewhere", "dataset_path: ../elsewhere is outside the project and the run; refusing to "
+                                   "read it"),
+    ("dataset_path: https://example.com/x.json", "dataset_path: 'https://example.com/x.json' is a URL; only local "
+                                                 "data or the Hugging Face cache are read"),
+    ("dataset_path: json\ndataset_kwargs:\n  data_dir: {outside}", "dataset_kwargs.data_dir: {outside} is outside "
+                                                                   "the project and the run; refusing to read it"),
+    ("dataset_path: json\ndataset_kwargs:\n  cache_dir: ../elsewhere", "dataset_kwargs.cache_dir: ../elsewhere is "
+                                                                       "outside the project and the run; refusing "
+                                                                       "to read it"),
+    ("dataset_path: json\ndataset_kwargs:\n  trust_remote_code: true", "dataset_kwargs.trust_remote_code: not "
+                                                                       "accepted"),
+    ("dataset_path: json\ndataset_kwargs:\n  data_files: zip://x.jsonl::file:///etc/passwd",
+     "dataset_kwargs.data_files: zip://x.jsonl::file:///etc/passwd is a URL; only local files are read"),
+])
+def test_a_dataset_source_outside_the_project_and_the_run_is_refused(tmp_path, project, monkeypatch, source, message):
+    monkeypatch.chdir(project)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (project / "src.yaml").write_text("task: t\n" + source.format(outside=outside) + "\n")
+    with pytest.raises(eval_tasks.EvalTaskError) as err:
+        _plan(tmp_path, "src.yaml")
+    assert str(err.value) == f"evaluate.tasks: {project / 'src.yaml'}: " + message.format(outside=outside)
+
+
+def test_lm_evals_templates_render_sandboxed_during_the_stage(tmp_path, monkeypatch):
+    """The stage's second guard: lm_eval's own template environment swapped for a sandbox while it runs."""
+    from jinja2.exceptions import SecurityError
+    from lm_eval import utils
+
+    monkeypatch.chdir(tmp_path)
+    plain = utils.env
+    with eval_tasks.sandboxed_templates():
+        assert utils.apply_template("Q: {{question}}", {"question": "2 + 2?"}) == "Q: 2 + 2?"
+        with pytest.raises(SecurityError):
+            utils.apply_template(PAYLOAD, {})
+    assert utils.env is plain
+    assert not (tmp_path / "PWNED").exists()
