@@ -260,9 +260,16 @@ def _strftime_now(format):  # noqa: A002 (the name templates call it with)
     return datetime.now().strftime(format)
 
 
-def _environment() -> _Environment:
-    env = _Environment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+def bounded_sandbox(**options) -> jinja2.Environment:
+    """jinja2's ImmutableSandboxedEnvironment with this module's bounds on single calls (what a chat template
+    renders in; lm_eval's task templates too, during the evaluate stage). `options`: jinja2.Environment's."""
+    env = _Environment(**options)
     env.filters.update({name: _checked(name, size) for name, size in _FILTER_SIZES.items()})
+    return env
+
+
+def _environment() -> _Environment:
+    env = bounded_sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now

@@ -15,12 +15,14 @@ evaluate.tasks lists any of:
 - a path to a task YAML file (lm_eval's format) inside the project (the working folder) or the run, checked
   before it is used (read_task_yaml): `!function` and any other tag (they run Python), `include`, YAML
   anchors and aliases (a few hundred bytes of them expand to gigabytes) and `custom_dataset` are refused;
-  a template (any string holding `{{`, `{%` or `{#`) may hold only plain field references such as
-  `{{question}}`, `{{choices.text}}` or `{{answers[0]}}` (no calls, filters, statements or names beginning
-  with `_`); every dataset source (dataset_path when it names a local path, dataset_kwargs' data_files,
+  a template (any string holding `{{`, `{%` or `{#`) must parse, and may not name an attribute or key
+  beginning with `_` (`__globals__`, `__class__`: the ways out of Python's objects) nor jinja's globals
+  (cycler, joiner, namespace, lipsum, range, dict): the document's fields are what a task reads; every dataset
+  source (dataset_path when it names a local path, dataset_kwargs' data_files,
   data_dir and cache_dir) must lie in the project or the run, with no URL; dataset_kwargs may not ask for
   trust_remote_code, storage_options, download_config or token. During the stage lm_eval's templates are
-  rendered in jinja2's ImmutableSandboxedEnvironment besides (sandboxed_templates);
+  rendered in jinja2's ImmutableSandboxedEnvironment besides, with the chat templates' bounds on the size of
+  what a single call makes (sandboxed_templates);
 - an lm_eval task name (`arc_easy`, `hellaswag`, `mmlu`): its dataset must already be in the local Hugging
   Face cache, as everything runs offline (HF_DATASETS_OFFLINE=1, HF_HUB_OFFLINE=1).
 
@@ -35,7 +37,6 @@ import contextlib
 import hashlib
 import json
 import random
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -81,12 +82,8 @@ def _inside(path: Path, roots: list[Path]) -> bool:
     return any(resolved.is_relative_to(r.resolve()) for r in roots)
 
 
-# a plain field reference: a name, then attributes and subscripts (a number or a quoted key); no name begins
-# with `_` (the way out of any sandbox: __class__, __globals__)
-_NAME = r"[A-Za-z][A-Za-z0-9_]*"
-_REFERENCE = re.compile(r"\{\{-?\s*" + _NAME + r"(?:\." + _NAME + r"|\[\d+\]|\['[^'\\{}]*'\]|\[\"[^\"\\{}]*\"\])*"
-                        r"\s*-?\}\}")
 _JINJA = ("{{", "{%", "{#")
+JINJA_GLOBALS = ("cycler", "joiner", "namespace", "lipsum", "range", "dict")
 DATASET_KWARGS_REFUSED = ("trust_remote_code", "storage_options", "download_config", "token")
 
 
@@ -112,13 +109,32 @@ def _strings(tree: Any, key: str = ""):
             yield from _strings(v, f"{key}[{i}]")
 
 
+def _escape(text: str) -> str | None:
+    """What in a template reaches past the document's fields (an attribute or key beginning with `_`, a
+    jinja global), or None."""
+    import jinja2
+    from jinja2 import nodes
+
+    try:
+        ast = jinja2.Environment().parse(text)
+    except jinja2.TemplateSyntaxError as err:
+        return f"does not parse: {err.message}"
+    for node in ast.find_all((nodes.Getattr, nodes.Const, nodes.Name)):
+        if isinstance(node, nodes.Getattr) and node.attr.startswith("_"):
+            return f"attribute {node.attr!r}"
+        if isinstance(node, nodes.Const) and isinstance(node.value, str) and node.value.startswith("_"):
+            return f"name {node.value!r}"
+        if isinstance(node, nodes.Name) and node.name in JINJA_GLOBALS:
+            return f"jinja's global {node.name!r}"
+    return None
+
+
 def _check_templates(tree: dict, path: Path, option: str) -> None:
     for key, text in _strings(tree):
-        rest = _REFERENCE.sub("", text)
-        if any(t in rest for t in _JINJA):
-            raise EvalTaskError(f"{option}: {path}: {key}: only plain field references ({{{{field}}}}, "
-                                f"{{{{field.name}}}}, {{{{field[0]}}}}) are accepted in a template, not "
-                                f"{text[:60]!r}")
+        why = _escape(text) if any(t in text for t in _JINJA) else None
+        if why:
+            raise EvalTaskError(f"{option}: {path}: {key}: a template may read the document's fields only, not "
+                                f"{why} ({text[:60]!r})")
 
 
 def _local(value: str, path: Path, root: Path) -> list[Path]:
@@ -164,12 +180,13 @@ def _check_sources(tree: dict, path: Path, roots: list[Path], option: str) -> No
 def sandboxed_templates():
     """lm_eval renders a task's templates (doc_to_text, ...) in a plain jinja2 Environment, in which a
     template can reach Python (`cycler.__init__.__globals__.os`); while this is entered, it renders them in
-    jinja2's ImmutableSandboxedEnvironment with the same settings instead."""
+    jinja2's ImmutableSandboxedEnvironment (with the chat templates' bounds on single calls) instead."""
     from jinja2 import BaseLoader, StrictUndefined
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from lm_eval import utils
 
-    env = ImmutableSandboxedEnvironment(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
+    from llmpipe.chat.template import bounded_sandbox
+
+    env = bounded_sandbox(loader=BaseLoader, undefined=StrictUndefined, keep_trailing_newline=True)
     env.filters.update({k: v for k, v in utils.env.filters.items() if k == "regex_replace"})
     plain, utils.env = utils.env, env
     try:

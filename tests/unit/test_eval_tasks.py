@@ -128,27 +128,30 @@ def test_an_unknown_task_name_is_one_line(tmp_path):
 PAYLOAD = "{{ cycler.__init__.__globals__.os.system('touch PWNED') }}"
 
 
-@pytest.mark.parametrize("key,template", [
-    ("doc_to_text", PAYLOAD),
-    ("doc_to_target", "{% set x = cycler.__init__.__globals__.os.system('touch PWNED') %}{{x}}"),
-    ("doc_to_choice", "{{ question|attr('__class__') }}"),
-    ("description", "{{ lipsum.__globals__['os'].system('touch PWNED') }}"),
+@pytest.mark.parametrize("key,template,why", [
+    ("doc_to_text", PAYLOAD, "attribute '__globals__'"),
+    ("doc_to_target", "{% set x = joiner().__call__ %}{{x}}", "attribute '__call__'"),
+    ("doc_to_choice", "{{ question|attr('__class__') }}", "name '__class__'"),
+    ("description", "{{ lipsum }}", "jinja's global 'lipsum'"),
+    ("doc_to_text", "{{ question[ }}", "does not parse: unexpected '}', expected ']'"),
 ])
-def test_a_task_template_that_is_more_than_field_references_is_refused_and_runs_nothing(tmp_path, project,
-                                                                                        monkeypatch, key, template):
+def test_a_task_template_that_reaches_past_the_documents_fields_is_refused_and_runs_nothing(
+        tmp_path, project, monkeypatch, key, template, why):
     monkeypatch.chdir(project)
     (project / "evil.yaml").write_text(f"task: evil\ndataset_path: json\n{key}: \"{template}\"\n")
     with pytest.raises(eval_tasks.EvalTaskError) as err:
         _plan(tmp_path, "evil.yaml")
-    assert str(err.value) == (f"evaluate.tasks: {project / 'evil.yaml'}: {key}: only plain field references "
-                              f"({{{{field}}}}, {{{{field.name}}}}, {{{{field[0]}}}}) are accepted in a template, "
-                              f"not {template[:60]!r}")
+    assert str(err.value) == (f"evaluate.tasks: {project / 'evil.yaml'}: {key}: a template may read the "
+                              f"document's fields only, not {why} ({template[:60]!r})")
     assert not (project / "PWNED").exists()
 
 
-def test_plain_field_references_are_accepted(tmp_path, project):
+def test_field_references_methods_and_statements_of_real_tasks_are_accepted(tmp_path, project):
+    """lm_eval's own arc_easy calls a method (`choices.label.index(answerKey)`); the sandbox bounds that."""
     (project / "ok.yaml").write_text("task: ok\ndataset_path: json\ndoc_to_text: \"Q: {{question}}\\nA:\"\n"
-                                     "doc_to_choice: \"{{choices.text}}\"\ndoc_to_target: \"{{answers['text'][0]}}\"\n")
+                                     "doc_to_choice: \"{{choices.text}}\"\n"
+                                     "doc_to_target: \"{{choices.label.index(answerKey)}}\"\n"
+                                     "description: \"{% if subject %}{{subject|upper}}{% endif %}\"\n")
     assert list(_plan(tmp_path, "ok.yaml").yamls) == ["ok"]
 
 
@@ -199,5 +202,9 @@ def test_lm_evals_templates_render_sandboxed_during_the_stage(tmp_path, monkeypa
         assert utils.apply_template("Q: {{question}}", {"question": "2 + 2?"}) == "Q: 2 + 2?"
         with pytest.raises(SecurityError):
             utils.apply_template(PAYLOAD, {})
+        with pytest.raises(SecurityError):  # what the load-time check cannot see: a name made at run time
+            utils.apply_template("{{ cycler|attr('_' ~ '_init__') }}", {})
+        with pytest.raises(SecurityError):  # the chat templates' bounds on single calls
+            utils.apply_template("{{ '%01500000000d' % 1 }}", {})
     assert utils.env is plain
     assert not (tmp_path / "PWNED").exists()
