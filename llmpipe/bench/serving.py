@@ -16,7 +16,9 @@ can be taken for another server. Definitions, as the offline benchmark's:
     requests/s       requests that completed / the same wall time
 
 A request the server refuses (429 when its queue is full, any error status) is counted in `errors`,
-not in the latencies.
+not in the latencies; so is one whose streamed line grows past MAX_LINE_BYTES without a newline, or that
+has not ended REQUEST_DEADLINE_S after it was sent (a server that never ends a line, or trickles bytes,
+cannot hold the client's memory or time without bound).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ import numpy as np
 from llmpipe.errors import ConfigError, UserError
 
 log = logging.getLogger("llmpipe.serve")
+MAX_LINE_BYTES = 1 << 20  # one server-sent event; a chunk of a completion is a few hundred bytes
+REQUEST_DEADLINE_S = 600.0  # a whole streamed request, from its send to its last line
 
 DEFINITIONS = ("TTFT: a request's send to its first streamed text chunk. TPOT: (last chunk - first chunk) / "
                "(completion tokens - 1), per request. Output tokens/s: completion tokens of all requests / wall "
@@ -184,29 +188,72 @@ def first_model(url: str, api_key: str | None) -> str:
         raise BenchServeError(f"--url {url}: GET /v1/models lists no model") from None
 
 
-def one_request(http, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
+class _StreamError(Exception):
+    pass
+
+
+def _lines(r, deadline: float, max_bytes: int = MAX_LINE_BYTES):
+    """The lines of a streamed response, each at most `max_bytes`, all before `deadline` (perf_counter);
+    _StreamError beyond either."""
+    pending = bytearray()  # the line not ended yet; each chunk is searched once
+    for chunk in r.iter_bytes():
+        if time.perf_counter() > deadline:
+            raise _StreamError("the stream did not end before the request's deadline")
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            pending += chunk[start:end]
+            yield bytes(pending).rstrip(b"\r").decode("utf-8", "replace")
+            pending.clear()
+            start = end + 1
+        pending += chunk[start:]
+        if len(pending) > max_bytes:
+            raise _StreamError(f"a streamed line longer than {max_bytes} bytes")
+    if pending:
+        yield bytes(pending).decode("utf-8", "replace")
+
+
+def one_request(http, model: str, prompt: str, max_tokens: int,
+                deadline_s: float = REQUEST_DEADLINE_S) -> dict[str, Any]:
     """One streamed completion: its TTFT, TPOT and completion tokens (seconds), or its error."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}
     t0 = time.perf_counter()
-    first = last = None
-    tokens = 0
-    with http.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            r.read()
-            return {"error": f"{r.status_code}: {r.text[:200]}"}
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-            if chunk.get("choices") and chunk["choices"][0].get("text"):
-                last = time.perf_counter()
-                first = first or last
+    try:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                return {"error": f"{r.status_code}: {_start(r)}"}
+            first, last, tokens = _read_stream(_lines(r, t0 + deadline_s))
+    except _StreamError as err:
+        return {"error": str(err)}
     end = time.perf_counter()
     first, last = first or end, last or end
     return {"ttft": first - t0, "tpot": (last - first) / max(tokens - 1, 1), "tokens": tokens, "error": None}
+
+
+def _start(r, limit: int = 200) -> str:
+    """The first `limit` characters of an error's body (the rest is not read: it may never end)."""
+    head = bytearray()
+    for chunk in r.iter_bytes():
+        head += chunk
+        if len(head) >= 4 * limit:
+            break
+    return head.decode("utf-8", "replace")[:limit]
+
+
+def _read_stream(lines) -> tuple[float | None, float | None, int]:
+    """(first text chunk's time, last one's, completion tokens the usage reports) of a completion's SSE lines."""
+    first = last = None
+    tokens = 0
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            tokens = chunk["usage"]["completion_tokens"]
+        if chunk.get("choices") and chunk["choices"][0].get("text"):
+            last = time.perf_counter()
+            first = first or last
+    return first, last, tokens
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:

@@ -79,9 +79,10 @@ def read_key(path: str) -> str:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except OSError as err:
         raise ConfigError(f"--api-key-file {path}: {err.strerror or err}") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise ConfigError(f"--api-key-file {path}: not a regular file")
     with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ConfigError(f"--api-key-file {path}: not a regular file")
         raw = f.read(MAX_KEY_BYTES + 1)  # at most one byte past the limit, whatever the file holds
     try:
         key = raw.decode("utf-8").strip()
