@@ -163,12 +163,39 @@ def assistant_spans(tpl, messages: list[dict], text: str, bos: str, eos: str,
     return spans, ""
 
 
+_FACTS: dict[int, tuple[object, int, tuple[str, ...]]] = {}
+
+
+def _tokenizer_facts(tok) -> tuple[int, tuple[str, ...]]:
+    """(the longest token's string length, the added tokens the tokenizer splits text at before anything
+    else), once per tokenizer."""
+    if id(tok) not in _FACTS or _FACTS[id(tok)][0] is not tok:
+        longest = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
+        markers = tuple(t.content for t in tok.get_added_tokens_decoder().values()
+                        if t.content and not (t.normalized or t.lstrip or t.rstrip or t.single_word))
+        _FACTS[id(tok)] = (tok, longest, markers)
+    return _FACTS[id(tok)][1:]
+
+
+def encode_head(tok, text: str, seq_len: int):
+    """(the encoding of `text`'s head, whether it was cut): exactly the whole text's first `seq_len` tokens
+    and their offsets, without tokenizing megabytes that truncation drops. A token spans at most the
+    longest token string's characters (twice that, for a normalizer that composes characters), so the first
+    seq_len tokens lie in `need` characters; the text is cut at the first added token after that, where the
+    tokenizer splits the text before anything else, so the tokens before the cut are the whole text's."""
+    longest, markers = _tokenizer_facts(tok)
+    need = seq_len * longest * 2
+    cut = min((p for p in (text.find(m, need) for m in markers) if p >= 0), default=None) \
+        if len(text) > need else None
+    return tok.encode(text if cut is None else text[:cut], add_special_tokens=False), cut is not None
+
+
 def encode(tok, tpl, messages: list[dict], seq_len: int, train_on: str, bos: str = "",
            eos: str = "") -> tuple[np.ndarray | None, np.ndarray | None, str]:
     """(token ids uint32, labels uint8: 1 = a trained target, "") of one conversation, cut to `seq_len`
     tokens; (None, None, why) when nothing is left to train."""
     text = tpl.render(messages, bos_token=bos, eos_token=eos)
-    enc = tok.encode(text, add_special_tokens=False)
+    enc, cut = encode_head(tok, text, seq_len)
     ids = np.asarray(enc.ids, dtype=np.uint32)
     if train_on == "all":
         labels = np.ones(len(ids), dtype=np.uint8)
@@ -185,7 +212,8 @@ def encode(tok, tpl, messages: list[dict], seq_len: int, train_on: str, bos: str
     labels[:1] = 0  # the first token is never a target: nothing comes before it
     if not labels.any():
         what = "assistant token" if train_on == "assistant" else "token to predict"
-        return None, None, f"no {what} left after truncation to data.seq_len={seq_len} ({len(enc.ids)} tokens)"
+        count = f"more than {len(enc.ids)}" if cut else f"{len(enc.ids)}"
+        return None, None, f"no {what} left after truncation to data.seq_len={seq_len} ({count} tokens)"
     return ids, labels, ""
 
 

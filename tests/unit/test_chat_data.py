@@ -159,27 +159,33 @@ class _Counted:
         return self.tpl.render(*args, **kwargs)
 
 
-def test_a_long_conversation_renders_only_the_turns_that_begin_within_seq_len(byte_tokenizer):
-    """120 KB of 120 messages: every assistant turn used to render the conversation before it (121 renders of
-    up to the whole record: quadratic, 70 hours at the 16 MiB record limit); now the whole once and the turns
-    until seq_len is reached."""
-    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:04d}" + "y" * 996}
-                for i in range(120)]
+def test_a_16_mib_conversation_renders_twice_and_tokenizes_only_its_head(byte_tokenizer, monkeypatch):
+    """1,024 messages of 16,000 characters: every assistant turn used to render the conversation before it
+    (1,025 renders of up to the whole record: 70 hours), and all 16 MiB were tokenized; now the whole renders
+    once, the first answer's prefix once (it begins past seq_len: no later turn is rendered), and only the
+    head that holds seq_len tokens is tokenized. Here nothing is left to train: a bad record."""
+    messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"{i:04d}" + "y" * 15996}
+                for i in range(1024)]
     tpl = _Counted(builtin_template("chatml"))
+    tokenized = []
+    encode = byte_tokenizer.encode
+    monkeypatch.setattr(byte_tokenizer, "encode", lambda text, **kw: tokenized.append(len(text)) or encode(text, **kw),
+                        raising=False)
     ids, labels, why = chat.encode(byte_tokenizer, tpl, messages, 2048, "assistant")
-    assert why == "" and len(ids) == 2048
-    assert tpl.renders == 1 + 2 * 1 + 1  # the whole, the first answer's two prefixes, the second's first
-    assert _trained(byte_tokenizer, ids, labels)[:5] == ["0", "0", "0", "1", "y"]
+    assert why.startswith("no assistant token left after truncation to data.seq_len=2048 (more than ")
+    assert tpl.renders == 2
+    assert len(tokenized) == 1 and tokenized[0] < 1 << 20
 
 
 def test_turns_past_seq_len_left_unrendered_give_the_labels_every_turn_rendered_gives(byte_tokenizer):
     tpl = builtin_template("chatml")
     messages = [S, U, A, {"role": "user", "content": "And 1 + 1?"}, {"role": "assistant", "content": "2."}] + \
-        [U, A] * 3
+        [U, A] * 20  # long enough that seq_len 60 tokenizes only the head (encode_head)
     whole = tpl.render(messages)
     enc = byte_tokenizer.encode(whole, add_special_tokens=False)
     for seq_len in (60, 100, 130, 170, 400):
         ids, labels, _ = chat.encode(byte_tokenizer, tpl, messages, seq_len, "assistant")
+        assert ids.tolist() == enc.ids[:seq_len]
         spans, _ = chat.assistant_spans(tpl, messages, whole, "", "")  # every turn rendered
         starts = np.asarray([a for a, _ in enc.offsets])
         want = np.zeros(len(enc.ids), np.uint8)
