@@ -491,6 +491,7 @@ def test_a_tampered_benchmark_or_a_bad_option_is_refused_before_anything_loads(r
                                        "to serve it (--allow-ungated to serve anyway)\n")
     for argv, line in ((["--max-batch", "0"], "--max-batch 0: must be between 1 and 256"),
                        (["--port", "70000"], "--port 70000: must be between 0 and 65535"),
+                       (["--body-timeout", "0"], "--body-timeout 0: must be between 0.1 and 600 seconds"),
                        (["--api-key-file", str(tmp_path / "none")], f"--api-key-file {tmp_path / 'none'}: "
                                                                     "No such file or directory")):
         assert main(["serve", str(run), *argv]) == 2
