@@ -70,8 +70,23 @@ def _int(value) -> int:
     return abs(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
-def _length(value) -> int:
-    return len(value) if isinstance(value, (str, list, tuple, dict)) else len(str(value))
+def _length(value, limit: int = MAX_OUTPUT_CHARS) -> int:
+    """An upper bound of len(str(value)), found without making that string (a list may hold a million
+    references to one large string); once past `limit`, a number past it."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        items = [*value.keys(), *value.values()]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        items = value
+    else:
+        return len(str(value))  # numbers, None, jinja's small objects
+    total = 2  # brackets
+    for x in items:
+        total += _length(x, limit - total) + 4  # quotes, a comma and a space (a colon in a dict)
+        if total > limit:
+            break
+    return total
 
 
 # a %-conversion: its mapping key, flags, width and precision (each a number or `*`), its type

@@ -323,7 +323,7 @@ def test_a_prompt_longer_than_the_context_says_both_numbers(server):
 
 def test_what_a_client_may_leave_at_its_default_is_accepted(server):
     body = {"model": MODEL, "prompt": "x", "max_tokens": 1, "logprobs": None, "echo": False, "best_of": 1, "n": 1,
-            "presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "suffix": None}
+            "presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "suffix": None}
     assert _post(server, "/v1/completions", body).status_code == 200
 
 

@@ -154,11 +154,18 @@ def _json(body: bytes) -> Any:
         raise ApiError(400, f"the body is not valid JSON ({str(err)[:80]})") from None
 
 
+def _same(value: Any, nothing: Any) -> bool:
+    # NOTE: a bool only equals a bool (0 == False in Python, yet `logprobs: 0` asks for something); numbers
+    # compare by value (`presence_penalty: 0.0` is 0)
+    if isinstance(value, bool) or isinstance(nothing, bool):
+        return type(value) is type(nothing) and value == nothing
+    return value == nothing
+
+
 def _unsupported(data: dict) -> None:
     for name, nothing in UNSUPPORTED.items():
         value = data.get(name)
-        # NOTE: compared by type too: 0 == False, and `logprobs: 0` asks for something
-        if not any(type(value) is type(v) and value == v for v in nothing):
+        if not any(_same(value, v) for v in nothing):
             raise ApiError(400, f"{name}: {json.dumps(value)[:40]} is not supported by this server (it can only "
                            f"be {' or '.join(json.dumps(v) for v in nothing)})", param=name)
 
@@ -216,11 +223,10 @@ def fits_bytes(s: Served) -> int:
 
 def _check_size(s: Served, field: str, texts: list[str]) -> None:
     """400 before tokenizing a text that cannot fit the context, however the tokenizer splits it."""
-    size = sum(len(t) for t in texts)  # characters: a lower bound of the bytes, checked first (cheap)
-    if size > fits_bytes(s) or sum(len(t.encode("utf-8")) for t in texts) > fits_bytes(s):
-        raise ApiError(400, f"{field}: {sum(len(t.encode('utf-8')) for t in texts)} bytes of UTF-8 cannot fit the "
-                       f"model's context of {s.capacity} tokens (at most {fits_bytes(s)} bytes); shorten it",
-                       param=field, code="context_length_exceeded")
+    size = sum(len(t.encode("utf-8")) for t in texts)  # no surrogates: _texts checked
+    if size > fits_bytes(s):
+        raise ApiError(400, f"{field}: {size} bytes of UTF-8 cannot fit the model's context of {s.capacity} tokens "
+                       f"(at most {fits_bytes(s)} bytes); shorten it", param=field, code="context_length_exceeded")
 
 
 def _job(s: Served, body: _Body, ids: list[int], max_tokens: int | None, field: str, stop_ids: list[int],
