@@ -163,18 +163,20 @@ def assistant_spans(tpl, messages: list[dict], text: str, bos: str, eos: str,
     return spans, ""
 
 
-_FACTS: dict[int, tuple[object, int, tuple[str, ...]]] = {}
+_FACTS: dict[int, tuple[object, int, tuple[tuple[str, bool], ...]]] = {}
 
 
 def _tokenizer_facts(tok) -> tuple[int, tuple[str, ...]]:
     """(the longest token's string length, the added tokens the tokenizer splits text at before anything
-    else), once per tokenizer."""
+    else: special ones only while it encodes them as such), the vocabulary read once per tokenizer."""
     if id(tok) not in _FACTS or _FACTS[id(tok)][0] is not tok:
         longest = max(map(len, tok.get_vocab(with_added_tokens=True)), default=1)
-        markers = tuple(t.content for t in tok.get_added_tokens_decoder().values()
-                        if t.content and not (t.normalized or t.lstrip or t.rstrip or t.single_word))
-        _FACTS[id(tok)] = (tok, longest, markers)
-    return _FACTS[id(tok)][1:]
+        added = tuple((t.content, t.special) for t in tok.get_added_tokens_decoder().values()
+                      if t.content and not (t.normalized or t.lstrip or t.rstrip or t.single_word))
+        _FACTS[id(tok)] = (tok, longest, added)
+    _, longest, added = _FACTS[id(tok)]
+    plain = getattr(tok, "encode_special_tokens", False)  # special tokens then read as text: no split there
+    return longest, tuple(content for content, special in added if not (special and plain))
 
 
 def encode_head(tok, text: str, seq_len: int):
