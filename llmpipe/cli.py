@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="in (0, 1]")
     gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0), >= 0")
     gen.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
+    gen.add_argument("--allow-ungated", action="store_true", help="generate with a variant the benchmark's or the "
+                     "evaluation's gate rejected (refused otherwise, as serve refuses it)")
     gen.add_argument("--artifacts-dir", default="artifacts")
     gen.add_argument("--tracking-uri", help="with models:/...: the registry (default: MLFLOW_TRACKING_URI, else "
                      "sqlite:///<artifacts-dir>/mlflow.db)")
@@ -206,6 +208,8 @@ def _parser() -> argparse.ArgumentParser:
     promote.add_argument("--alias", default="production", help="default production")
     promote.add_argument("--force", action="store_true", help="promote although the gates did not pass "
                          "(recorded on the version as llmpipe.forced.<alias>, and logged)")
+    promote.add_argument("--variant", choices=ONNX_VARIANTS, help="promote for this variant: it must have passed "
+                         "the gates (the version passes when any variant did)")
     promote.add_argument("--artifacts-dir", default="artifacts")
     promote.add_argument("--tracking-uri", help="default: the run's; for NAME/VERSION: MLFLOW_TRACKING_URI, "
                          "else sqlite:///<artifacts-dir>/mlflow.db")
@@ -516,7 +520,8 @@ def _generate(args: argparse.Namespace) -> int:
     from llmpipe.tools.generate import run_generate
 
     run_generate(_run_dir(args), args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
-                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system)
+                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system,
+                 allow_ungated=args.allow_ungated)
     return 0
 
 
@@ -607,7 +612,7 @@ def _promote(args: argparse.Namespace) -> int:
     else:
         name, version = ref
         uri = _registry_uri(args)
-    print(f"promote: {registry.promote(uri, name, version, args.alias, args.force)}")
+    print(f"promote: {registry.promote(uri, name, version, args.alias, args.force, variant=args.variant)}")
     return 0
 
 

@@ -102,14 +102,19 @@ def _parent(c: Any, cfg: RunConfig, uri: str, store: dict[str, Any]) -> str:
     if run_id:
         try:
             run = c.get_run(run_id)
-            if run.info.lifecycle_stage == "deleted":
-                c.restore_run(run_id)
-            return run_id
+            tags = run.data.tags
+            if tags.get("llmpipe.run") == cfg.run.name:  # (a moved folder keeps its run: the name, not the path)
+                if run.info.lifecycle_stage == "deleted":
+                    c.restore_run(run_id)
+                return run_id
+            # mlflow.json is the folder's word, not the store's: a run id of another run is never logged to
+            log.warning("tracking: mlflow.json names MLflow run %s, which is not run %s's (it is %s's); starting "
+                        "a new one", str(run_id)[:64], cfg.run.name, str(tags.get("llmpipe.run"))[:64])
         except MlflowException as err:
-            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            if err.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise
-            log.warning("tracking: MLflow run %s of %s is gone from %s; starting a new one", run_id, cfg.run.name,
-                        uri)
+            log.warning("tracking: MLflow run %s of %s is gone from %s; starting a new one", str(run_id)[:64],
+                        cfg.run.name, uri)
     experiment_id = _experiment(c, cfg, uri)
     run = c.create_run(experiment_id, run_name=cfg.run.name,
                        tags={"llmpipe.run": cfg.run.name, "llmpipe.run_dir": str(cfg.run_dir())})
