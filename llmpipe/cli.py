@@ -219,6 +219,8 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--experiment", help="one experiment (default: all)")
     runs.add_argument("--artifacts-dir", default="artifacts")
     runs.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///<artifacts-dir>/mlflow.db")
+    runs.add_argument("--deadline-s", type=float, default=60.0, help="give up (one line) when the store has not "
+                      "answered in full within this many seconds (default 60)")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -619,7 +621,9 @@ def _promote(args: argparse.Namespace) -> int:
 def _runs(args: argparse.Namespace) -> int:
     from llmpipe.tracking import runs
 
-    print(runs.table(runs.rows(_registry_uri(args), args.experiment)))
+    if not 0 < args.deadline_s <= 86400:
+        raise ConfigError(f"--deadline-s {args.deadline_s:g}: must be in (0, 86400]")
+    print(runs.table(runs.rows(_registry_uri(args), args.experiment, deadline_s=args.deadline_s)))
     return 0
 
 

@@ -696,6 +696,9 @@ class MlflowSection(Section):
     timeout_s: float = Op(10.0, gt=0, le=600, description="HTTP timeout of one request to a tracking server.")
     retries: int = Op(1, ge=0, le=10, description="HTTP retries of one request (MLflow's own backoff); the "
                       "sync after the next stage retries the rest.")
+    deadline_s: float = Op(600.0, gt=0, le=86400, description="At most this long for one sync of the run "
+                           "folder (all its requests and uploads together): a server that answers a byte at a "
+                           "time never trips timeout_s; past it, one warning line and the run goes on.")
 
 
 class TrackingSection(Section):

@@ -26,7 +26,7 @@ from typing import Any
 from llmpipe import attempts
 from llmpipe.config import RunConfig
 from llmpipe.manifest import Manifest
-from llmpipe.tracking.client import TrackingError, client, quiet, short
+from llmpipe.tracking.client import TrackingError, client, missing_store, quiet, short
 
 log = logging.getLogger("llmpipe.tracking")
 
@@ -252,6 +252,9 @@ def promote(uri: str, name: str, version: str, alias: str, force: bool, timeout_
             variant: str | None = None) -> str:
     """Move `alias` to NAME/VERSION if its gates passed (with `variant`: if that variant passed), or with force
     (recorded on the version)."""
+    problem = missing_store(uri)
+    if problem:
+        raise TrackingError(problem)
     with quiet():
         return _promote(uri, name, version, alias, force, timeout_s, variant)
 
@@ -311,6 +314,9 @@ def resolve(models_uri: str, uri: str, timeout_s: float = 10.0) -> Path:
     m = _MODELS_URI.match(models_uri)
     if not m:
         raise TrackingError(f"{models_uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    problem = missing_store(uri)
+    if problem:
+        raise TrackingError(problem)
     with quiet():
         mv = _version(client(uri, timeout_s), m["name"], m["version"], m["alias"], uri)
     run_dir = mv.tags.get("llmpipe.run_dir")

@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,9 +56,10 @@ BATCH = 900  # MLflow takes at most 1000 metrics per log_batch
 _ARTIFACT_SUFFIXES = (".md", ".html", ".png")
 
 
-def sync(cfg: RunConfig, status: str | None = None) -> str:
+def sync(cfg: RunConfig, status: str | None = None, cancelled: threading.Event | None = None) -> str:
     """Bring the run's MLflow run up to date with its folder; returns the MLflow run id. `status`:
-    RUNNING, FINISHED or FAILED to set (None: leave it)."""
+    RUNNING, FINISHED or FAILED to set (None: leave it). `cancelled`: set when the caller gave up waiting
+    (client.within); the folder's mlflow.json is then left as the next sync finds it."""
     from llmpipe.tracking import registry
 
     m = cfg.tracking.mlflow
@@ -79,7 +81,7 @@ def sync(cfg: RunConfig, status: str | None = None) -> str:
             elif status != "RUNNING":
                 c.set_terminated(run_id, status)
     finally:
-        if run_dir.is_dir():
+        if run_dir.is_dir() and not (cancelled is not None and cancelled.is_set()):
             save_state(run_dir, state)
     return run_id
 
