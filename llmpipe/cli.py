@@ -489,6 +489,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.arithmetic < 0 or (args.words or 0) < 0 or not 0 < args.val_fraction < 1:
                 raise ConfigError("synth-chat: --arithmetic and --words take counts >= 0, --val-fraction a share "
                                   "between 0 and 1")
+            problem = synth.count_problem(args.arithmetic, args.words)
+            if problem:
+                raise ConfigError(problem)
             counts = synth.write(args.out, args.seed, args.arithmetic, args.val_fraction, args.words)
             print(f"{args.out}: train.jsonl {counts['train']} conversations, val.jsonl {counts['val']} (held out)")
             return 0

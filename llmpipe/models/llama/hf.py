@@ -143,6 +143,8 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[Mod
     """ModelArgs for an HF LlamaForCausalLM / MistralForCausalLM folder, and facts the loader needs
     (tie_word_embeddings, sliding_window). Anything llmpipe's model does not compute the same way, or
     any size beyond llmpipe.models.limits.MODEL_LIMITS, is refused with one line naming the field."""
+    from llmpipe.models.limits import numeric_problem
+
     where = Path(folder) / CONFIG_JSON
     c = _read_json(where)
     archs = c.get("architectures") or []
@@ -160,6 +162,10 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[Mod
                          rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
     except (TypeError, ValueError, OverflowError) as err:
         raise HFFolderError(f"{where}: {err}") from None
+    problem = numeric_problem({"rope_theta": theta, "rms_norm_eps": args.norm_eps,
+                               **{f"rope_scaling.{k}": v for k, v in (scaling or {}).items() if k != "rope_type"}})
+    if problem:
+        raise HFFolderError(f"{where}: {problem}")
     if c.get("head_dim") not in (None, args.head_dim):
         raise HFFolderError(f"{where}: head_dim: {c['head_dim']} differs from hidden_size / num_attention_heads "
                             f"= {args.head_dim}, which llmpipe's LLaMA assumes")
