@@ -79,7 +79,11 @@ def link(cfg: RunConfig) -> tuple[str | None, str] | None:
     run is) for the Prefect flow run's artifact; None when the run has no MLflow run."""
     from llmpipe.tracking import folder
 
-    found = folder.run_link(cfg)
+    try:
+        found = folder.run_link(cfg)
+    except TrackingError as err:  # an invalid mlflow.json: the syncs warn about it; the flow goes on
+        log.warning("tracking: %s", err)
+        return None
     if found is None:
         return None
     uri, run_id = found

@@ -114,3 +114,56 @@ def test_synth_chat_can_ask_for_every_arithmetic_question_there_is():
 
     train, val = synth.make_conversations(0, synth.ARITHMETIC_SPACE, 0.1, n_words=10)
     assert sum(synth.family(r) == "arithmetic" for r in train + val) == synth.ARITHMETIC_SPACE
+
+
+@pytest.mark.parametrize("content, why", [
+    ('{"stores": ', "invalid: not valid JSON (Expecting value: line 1 column 12 (char 11))"),
+    ('{"stores": {"sqlite:///x": []}}', "invalid: stores.sqlite:///x: expected an object (remove the file to start "
+                                        "a new MLflow run)"),
+    ('{"stores": {"sqlite:///x": {"versions": {"d": 3}}}}', "invalid: stores.sqlite:///x.versions: expected an object "
+     "of {name, version} entries (remove the file to start a new MLflow run)"),
+])
+def test_a_malformed_mlflow_json_is_one_line_naming_the_file(tmp_path, content, why):
+    from llmpipe.tracking import registry
+    from llmpipe.tracking.client import TrackingError
+    from tests.conftest import make_cfg
+
+    cfg = make_cfg(tmp_path, check="fields")
+    cfg.run_dir().mkdir(parents=True)
+    (cfg.run_dir() / "mlflow.json").write_text(content)
+    with pytest.raises(TrackingError) as err:
+        registry.current_version(cfg)
+    assert str(err.value) == f"{cfg.run_dir() / 'mlflow.json'}: {why}"
+
+
+@pytest.mark.parametrize("url, expected", [
+    ("notaurl", "--url notaurl: not an http(s) URL with a host (e.g. http://127.0.0.1:8000)"),
+    ("http://127.0.0.1:99999", "--url http://127.0.0.1:99999: not a valid URL (Port out of range 0-65535)"),
+])
+def test_bench_serve_with_an_invalid_url_is_one_line(tmp_path, capsys, url, expected):
+    from tests.unit.test_verdicts import benchmarked
+
+    benchmarked(tmp_path / "run", b"model")
+    assert cli.main(["bench", "serve", str(tmp_path / "run"), "--url", url]) == 2
+    assert _one_line(capsys) == f"error: {expected}"
+
+
+def test_a_malformed_genai_config_json_is_one_line_naming_the_file(tmp_path):
+    from llmpipe.infer.fused import GraphConfig, GraphConfigError
+
+    (tmp_path / "genai_config.json").write_text('{"model": {"decoder": {}}}')
+    with pytest.raises(GraphConfigError) as err:
+        GraphConfig.read(tmp_path)
+    assert str(err.value) == f"{tmp_path / 'genai_config.json'}: invalid: KeyError: 'num_key_value_heads'"
+
+
+@pytest.mark.parametrize("content, why", [
+    ("[1, 2]", "invalid: expected an object, found list"),
+    (b"\xff\xfe{}", "invalid: unreadable ('utf-8' codec can't decode byte 0xff in position 0: invalid start byte)"),
+])
+def test_a_malformed_init_from_config_json_is_one_line_naming_the_file(tmp_path, capsys, content, why):
+    folder = _hf_folder(tmp_path / "hf")
+    (folder / "config.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    path = _config(tmp_path, model={"init_from": str(folder)})
+    assert cli.main(["plan", str(path)]) == 2
+    assert _one_line(capsys) == f"error: {path}: model.init_from: {folder / 'config.json'}: {why}"

@@ -5,7 +5,6 @@ Both use the rotate-half RoPE convention, so the mapping is a pure rename (no q/
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -74,15 +73,9 @@ class HFFolderError(UserError, ValueError):
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HFFolderError(f"{path}: not found") from None
-    except (OSError, ValueError) as err:
-        raise HFFolderError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise HFFolderError(f"{path}: expected a JSON object")
-    return data
+    from llmpipe.manifest import read_json_file
+
+    return read_json_file(path, HFFolderError)
 
 
 def _rope(c: dict, where: Path) -> tuple[float, dict | None]:
