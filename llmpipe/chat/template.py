@@ -219,10 +219,11 @@ def template_in_folder(folder: str | Path) -> ChatTemplate | None:
     if config.is_file():
         if config.stat().st_size > (16 << 20):
             raise TemplateError(f"{config}: larger than 16 MiB")
-        from llmpipe.manifest import read_json_file
-
-        data = read_json_file(config, TemplateError)
-        found = data.get("chat_template")
+        try:
+            data = json.loads(config.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise TemplateError(f"{config}: not readable JSON ({_one_line(err)})") from None
+        found = data.get("chat_template") if isinstance(data, dict) else None
         if isinstance(found, list):
             named = {t.get("name"): t.get("template") for t in found if isinstance(t, dict)}
             if "default" not in named:
