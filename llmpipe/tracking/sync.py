@@ -316,7 +316,7 @@ def _artifacts(c: Any, run_id: str, run_dir: Path) -> None:
     have = c.get_run(run_id).data.tags
     marks = []
     for path, under in files:
-        if not path.is_file():
+        if not path.is_file() or path.is_symlink():  # a link may lead out of the run (report.html included)
             continue
         st = path.stat()
         mark, value = key(f"llmpipe.artifact.{under or '.'}/{path.name}"), f"{st.st_size}:{st.st_mtime_ns}"

@@ -94,9 +94,13 @@ def test_a_link_planted_in_a_run_folder_sends_nothing_outside_the_run_to_the_art
     secret.write_text("not the run's")
     link = stage_dir(cfg.run_dir(), "consolidate") / "notes.txt"
     link.symlink_to(secret)
+    (cfg.run_dir() / "report.html").symlink_to(secret)
     with pytest.raises(TrackingError) as err:
         tracking.backfill(cfg)
     assert str(err.value) == f"{link}: a link out of the run folder (to {secret}); not uploaded"
+    state = json.loads((cfg.run_dir() / "mlflow.json").read_text())
+    run_id = next(iter(state["stores"].values()))["run_id"]
+    assert "report.html" not in {a.path for a in _client(store[1]).list_artifacts(run_id)}
 
 
 def test_models_uri_refuses_a_run_folder_that_now_holds_another_model(store):
