@@ -193,7 +193,7 @@ def verdict(cfg: RunConfig, digest: str, cons: Manifest) -> tuple[str, dict[str,
             rejected = [str(v) for v in metrics.get("rejected") or []]
             bad = bool(rejected) or metrics.get("gates_passed") is False
             words[stage] = ("rejected " + ",".join(rejected) if rejected else "failed") if bad else "passed"
-        elif _manifest(cfg, stage) is None:
+        elif _manifest(cfg, stage) is None or j.problem:  # none, or one about an earlier model (stale)
             failure = attempts.last_failure(run_dir, stage_dir(run_dir, stage).name)
             if failure is not None and failure[0].when >= cons.finished_at:
                 words[stage] = "failed"  # e.g. a required variant failed, or nothing deployable was left
