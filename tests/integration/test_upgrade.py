@@ -56,17 +56,22 @@ def old_run(tmp_path_factory):
     path.write_text(yaml.safe_dump(cfg))
     old = _previous_release(tmp)  # the working folder too: `python -m` puts it first on sys.path
     env = {**os.environ, "PYTHONPATH": str(old), "PREFECT_HOME": str(tmp / ".prefect")}
-    done = subprocess.run([sys.executable, "-m", "llmpipe", "stage", "prepare_data", str(path)], env=env, cwd=old,
-                          capture_output=True, text=True, timeout=300, check=False)
+    # prepare_data as `llmpipe stage prepare_data` runs it, then the fingerprints that release expects next
+    script = ("import json, sys; from llmpipe import cli, config, stages; rc = cli.main(['stage', 'prepare_data', "
+              "sys.argv[1]]); print('FINGERPRINTS', json.dumps(stages.fingerprints(config.load(sys.argv[1])))); "
+              "sys.exit(rc)")
+    done = subprocess.run([sys.executable, "-c", script, str(path)], env=env, cwd=old, capture_output=True,
+                          text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     run_dir = tmp / "artifacts" / "old"
     manifest = json.loads((stages.stage_dir(run_dir, "prepare_data") / "manifest.json").read_text())
     assert "external_symlinks" not in manifest["config"]["data"]  # really the previous release's
-    return path, run_dir
+    (line,) = [x for x in done.stdout.splitlines() if x.startswith("FINGERPRINTS ")]
+    return path, run_dir, json.loads(line.split(" ", 1)[1])
 
 
 def test_prepare_data_made_by_the_previous_release_is_taken_as_done_and_not_rerun(old_run):
-    path, run_dir = old_run
+    path, run_dir, _ = old_run
     folder = stages.stage_dir(run_dir, "prepare_data")
     before = json.loads((folder / "manifest.json").read_text())
     cfg = config_mod.load(path)
@@ -80,9 +85,17 @@ def test_prepare_data_made_by_the_previous_release_is_taken_as_done_and_not_reru
     assert stages.state(cfg, "prepare_data")[0] == "done"  # now by today's fingerprint
 
 
+def test_a_training_the_previous_release_finished_on_that_data_is_not_retrained(old_run):
+    path, _, previous = old_run
+    cfg = config_mod.load(path)
+    stages.run_stage("prepare_data", cfg)  # adopted
+    # the train stage's fingerprint is what that release gave its finished training: it is skipped as done
+    assert stages.fingerprints(cfg)["train"] == previous["train"]
+
+
 @pytest.mark.parametrize("override", ["data.max_record_bytes=4096", "data.seq_len=64"])
 def test_a_result_field_changed_since_the_previous_release_still_reruns_its_stage(old_run, override):
-    path, _ = old_run
+    path, _, _ = old_run
     assert stages.state(config_mod.load(path, [override]), "prepare_data")[0] == "stale"
 
 
@@ -99,7 +112,7 @@ def test_a_warm_start_compares_data_by_tokenizer_and_shards_not_the_descriptive_
     from llmpipe.manifest import Manifest, file_entry
     from llmpipe.train import warm
 
-    _, run_dir = old_run
+    _, run_dir, _ = old_run
     old = stages.stage_dir(run_dir, "prepare_data")
     again = shutil.copytree(old, tmp_path / "01_prepare_data")
     meta = json.loads((again / "data_meta.json").read_text())
