@@ -122,6 +122,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, help="in (0, 1]")
     gen.add_argument("--seed", type=int, help="seed of the sampler (temperature > 0), >= 0")
     gen.add_argument("--threads", type=int, help="intra-op threads, 1 to 1024 (default: all cores)")
+    gen.add_argument("--allow-ungated", action="store_true", help="generate with a variant the benchmark's or the "
+                     "evaluation's gate rejected (refused otherwise, as serve refuses it)")
     gen.add_argument("--artifacts-dir", default="artifacts")
     gen.add_argument("--tracking-uri", help="with models:/...: the registry (default: MLFLOW_TRACKING_URI, else "
                      "sqlite:///<artifacts-dir>/mlflow.db)")
@@ -208,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     promote.add_argument("--alias", default="production", help="default production")
     promote.add_argument("--force", action="store_true", help="promote although the gates did not pass "
                          "(recorded on the version as llmpipe.forced.<alias>, and logged)")
+    promote.add_argument("--variant", choices=ONNX_VARIANTS, help="promote for this variant: it must have passed "
+                         "the gates (the version passes when any variant did)")
     promote.add_argument("--artifacts-dir", default="artifacts")
     promote.add_argument("--tracking-uri", help="default: the run's; for NAME/VERSION: MLFLOW_TRACKING_URI, "
                          "else sqlite:///<artifacts-dir>/mlflow.db")
@@ -217,6 +221,8 @@ def _parser() -> argparse.ArgumentParser:
     runs.add_argument("--experiment", help="one experiment (default: all)")
     runs.add_argument("--artifacts-dir", default="artifacts")
     runs.add_argument("--tracking-uri", help="default: MLFLOW_TRACKING_URI, else sqlite:///<artifacts-dir>/mlflow.db")
+    runs.add_argument("--deadline-s", type=float, default=60.0, help="give up (one line) when the store has not "
+                      "answered in full within this many seconds (default 60)")
 
     rep = sub.add_parser("report", help="(re)write artifacts/<run>/report.html")
     rep.add_argument("run")
@@ -485,6 +491,9 @@ def main(argv: list[str] | None = None) -> int:
             if args.arithmetic < 0 or (args.words or 0) < 0 or not 0 < args.val_fraction < 1:
                 raise ConfigError("synth-chat: --arithmetic and --words take counts >= 0, --val-fraction a share "
                                   "between 0 and 1")
+            problem = synth.count_problem(args.arithmetic, args.words)
+            if problem:
+                raise ConfigError(problem)
             counts = synth.write(args.out, args.seed, args.arithmetic, args.val_fraction, args.words)
             print(f"{args.out}: train.jsonl {counts['train']} conversations, val.jsonl {counts['val']} (held out)")
             return 0
@@ -518,7 +527,8 @@ def _generate(args: argparse.Namespace) -> int:
     from llmpipe.tools.generate import run_generate
 
     run_generate(_run_dir(args), args.prompt, args.max_new_tokens, args.variant, args.temperature, args.top_k,
-                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system)
+                 args.top_p, args.seed, args.threads, chat=args.chat, system=args.system,
+                 allow_ungated=args.allow_ungated)
     return 0
 
 
@@ -609,14 +619,16 @@ def _promote(args: argparse.Namespace) -> int:
     else:
         name, version = ref
         uri = _registry_uri(args)
-    print(f"promote: {registry.promote(uri, name, version, args.alias, args.force)}")
+    print(f"promote: {registry.promote(uri, name, version, args.alias, args.force, variant=args.variant)}")
     return 0
 
 
 def _runs(args: argparse.Namespace) -> int:
     from llmpipe.tracking import runs
 
-    print(runs.table(runs.rows(_registry_uri(args), args.experiment)))
+    if not 0 < args.deadline_s <= 86400:
+        raise ConfigError(f"--deadline-s {args.deadline_s:g}: must be in (0, 86400]")
+    print(runs.table(runs.rows(_registry_uri(args), args.experiment, deadline_s=args.deadline_s)))
     return 0
 
 

@@ -168,8 +168,8 @@ class ModelSection(Section):
                               "size.")
     max_seq_len: int | None = Res(None, ge=8, le=MODEL_LIMITS["max_seq_len"], description="Override: longest "
                                   "sequence (RoPE table).")
-    rope_theta: float | None = Res(None, gt=0, description="Override: RoPE base.")
-    norm_eps: float | None = Res(None, gt=0, description="Override: RMSNorm epsilon.")
+    rope_theta: float | None = Res(None, gt=0, allow_inf_nan=False, description="Override: RoPE base.")
+    norm_eps: float | None = Res(None, gt=0, allow_inf_nan=False, description="Override: RMSNorm epsilon.")
     init_from: str | None = Res(None, description="A Hugging Face LLaMA-family folder (LlamaForCausalLM or "
                                 "MistralForCausalLM: config.json, safetensors, tokenizer.json) to start from: its "
                                 "config defines the architecture (flavor and overrides other than max_seq_len are "
@@ -318,7 +318,8 @@ class LoraSection(Section):
     """LoRA: low-rank adapters on the named linear layers, every other weight frozen."""
 
     rank: int = Res(8, gt=0, le=65536, description="Adapter rank r: A is (r, in), B is (out, r).")
-    alpha: float = Res(16.0, gt=0, description="Adapter scale numerator: the update is alpha / rank x B A.")
+    alpha: float = Res(16.0, gt=0, allow_inf_nan=False,
+                       description="Adapter scale numerator: the update is alpha / rank x B A.")
     dropout: float = Res(0.0, ge=0, lt=1, description="Dropout on the adapters' input (as PEFT's lora_dropout).")
     targets: list[str] = Res(["wq", "wk", "wv", "wo", "w1", "w2", "w3"], min_length=1, description=(
         "Linear layers that get adapters, by llmpipe's names: wq wk wv wo (attention; Hugging Face's "
@@ -696,6 +697,9 @@ class MlflowSection(Section):
     timeout_s: float = Op(10.0, gt=0, le=600, description="HTTP timeout of one request to a tracking server.")
     retries: int = Op(1, ge=0, le=10, description="HTTP retries of one request (MLflow's own backoff); the "
                       "sync after the next stage retries the rest.")
+    deadline_s: float = Op(600.0, gt=0, le=86400, description="At most this long for one sync of the run "
+                           "folder (all its requests and uploads together): a server that answers a byte at a "
+                           "time never trips timeout_s; past it, one warning line and the run goes on.")
 
 
 class TrackingSection(Section):

@@ -123,6 +123,23 @@ def read_json_bounded(path: Path) -> Any:
     return data
 
 
+def read_json_file(path: Path, error: type[Exception], expect: type | None = dict) -> Any:
+    """The one reader of a JSON file a run or model folder provides (mlflow.json, config.json,
+    tokenizer_config.json, genai_config.json, manifests): read_json_bounded (size cap, UTF-8, depth), and of
+    type `expect` (an object by default). Any failure is `error` with one line: "FILE: not found" or
+    "FILE: invalid: why"."""
+    try:
+        data = read_json_bounded(Path(path))
+    except FileNotFoundError:
+        raise error(f"{path}: not found") from None
+    except ValueError as err:
+        raise error(f"{path}: invalid: {err}") from None
+    if expect is not None and not isinstance(data, expect):
+        want = {dict: "an object", list: "a list"}.get(expect, expect.__name__)
+        raise error(f"{path}: invalid: expected {want}, found {type(data).__name__}")
+    return data
+
+
 def write_json_atomic(path: Path, obj: Any) -> None:
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -3,7 +3,8 @@ to run (selected, and forced or not done): before training, `check_launch` (the 
 dp x tp x pp against the world size the train stage will start: nproc_per_node x train.nodes, or x
 the hostfile's hosts) and `check_resume` (an explicit train.checkpoint.resume holds this config's
 model); before convert_om, `check_atc_present` (ATC found when convert_om.required is true); with
-export_onnx selected and export.ort_graph on, `check_ort_builder` (onnxruntime-genai's builder installed).
+export_onnx selected and export.ort_graph on, `check_ort_builder` (onnxruntime-genai's builder installed);
+with evaluate selected, `check_evaluate` (its task files and chat_questions).
 `check_before_run` runs them; `llmpipe run`, `llmpipe stage` and the flow call it.
 
 What a config can tell about itself alone is llmpipe.config_checks' (run when the config loads);
@@ -17,7 +18,7 @@ from pathlib import Path
 
 from llmpipe import config_checks
 from llmpipe.config import RunConfig
-from llmpipe.errors import ConfigError, StageError
+from llmpipe.errors import ConfigError, StageError, UserError
 from llmpipe.train.launch import hostfile_nodes
 
 
@@ -108,6 +109,18 @@ def check_ort_builder(cfg: RunConfig) -> None:
         raise ConfigError(f"export.ort_graph: {reason}")
 
 
+def check_evaluate(cfg: RunConfig) -> None:
+    """evaluate.tasks' files (read and checked as the stage reads them) and evaluate.chat_questions (every line
+    a conversation with a user question and an assistant answer): found before the hours of training the
+    stage comes after, not when it runs. lm_eval's own task names are looked up when the stage runs (indexing
+    lm_eval's registry takes longer than most checks here)."""
+    from llmpipe.eval import tasks
+
+    tasks.plan(cfg)
+    if cfg.evaluate.chat_questions and cfg.data.format == "chat":
+        tasks.question_records(Path(cfg.evaluate.chat_questions), render=lambda messages: "")  # the shape only
+
+
 def _to_run(cfg: RunConfig, selected: list[str], force: bool) -> set[str]:
     """Which of train and convert_om a pipeline run will run: selected, and forced or not done (train
     also when prepare_data is not done: its new output would make train stale)."""
@@ -139,5 +152,7 @@ def check_before_run(cfg: RunConfig, selected: list[str], force: bool, source: s
             check_atc_present(cfg)
         if "export_onnx" in selected and cfg.export.ort_graph:
             check_ort_builder(cfg)
-    except ConfigError as err:
+        if "evaluate" in selected:
+            check_evaluate(cfg)
+    except UserError as err:
         raise ConfigError(f"{source}: {err}") from None

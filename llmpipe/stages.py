@@ -188,16 +188,66 @@ def fingerprints(cfg: RunConfig) -> dict[str, str]:
         for i in spec.inputs:
             if i not in contents:
                 contents[i] = _content(run_dir, i)
-        payload = {
-            "stage": name,
-            "config": {s: result_section(cfg, s) for s in spec.sections},
-            "inputs": {i: contents[i] for i in spec.inputs},
-            "llmpipe": _revision(spec),  # the key's name kept: see _REVISION_1
-        }
-        if spec.extra:
-            payload["extra"] = _resolve(spec.extra)(cfg)
-        out[name] = fingerprint(payload)
+        out[name] = fingerprint(_payload(cfg, spec, {i: contents[i] for i in spec.inputs}))
     return out
+
+
+def _payload(cfg: RunConfig, spec: StageSpec, inputs: dict[str, str]) -> dict[str, Any]:
+    payload = {
+        "stage": spec.name,
+        "config": {s: result_section(cfg, s) for s in spec.sections},
+        "inputs": inputs,
+        "llmpipe": _revision(spec),  # the key's name kept: see _REVISION_1
+    }
+    if spec.extra:
+        payload["extra"] = _resolve(spec.extra)(cfg)
+    return payload
+
+
+def _known(value: Any, recorded: Any) -> Any:
+    """`value` (a config subtree) pruned to the keys `recorded` (the same subtree as an earlier release
+    wrote it) holds: the fields that release knew."""
+    if not isinstance(value, dict) or not isinstance(recorded, dict):
+        return value
+    return {k: _known(v, recorded[k]) for k, v in value.items() if k in recorded}
+
+
+def adopted(cfg: RunConfig, spec: StageSpec, manifest: Manifest) -> dict[str, Any] | None:
+    """How a manifest written by an earlier release still is this stage's result, or None.
+
+    A release hashes the result fields it knows; a later one adds fields (issue 36, item 19: data's
+    external_symlinks, max_record_bytes and tokenizer.doc_chars came after 0.1.0 without the `added`
+    mark) and would re-run every finished stage. So the fingerprint is recomputed the recorded
+    release's way: the config pruned to the fields its recorded config holds, with the package version it
+    records, the inputs and environment facts as now. It must equal the recorded fingerprint, and every
+    field the release did not know must be at its default today (what the recorded config means when read
+    by this release), so a changed result-defining input never matches. A stage whose revision was bumped
+    since (its code changes what it produces) is never adopted."""
+    from llmpipe.config import from_dict
+
+    release = manifest.versions.get("llmpipe")
+    if spec.revision != 1 or not release or not manifest.config:
+        return None
+    try:
+        then = from_dict(manifest.config, source="recorded config", check="fields")
+    except (ConfigError, ValueError, TypeError):
+        return None  # a field it had is gone or changed shape: not this release's result
+    now = {s: result_section(cfg, s) for s in spec.sections}
+    if now != {s: result_section(then, s) for s in spec.sections}:
+        return None  # a result field differs (an added one away from its default included)
+    payload = _payload(cfg, spec, {i: _content(cfg.run_dir(), i) for i in spec.inputs})
+    recorded = {s: _dig(manifest.config, s) for s in spec.sections}
+    payload["config"] = {s: _known(v, recorded[s]) for s, v in now.items()}
+    payload["llmpipe"] = release
+    if fingerprint(payload) != manifest.fingerprint:
+        return None
+    return {"fingerprint": manifest.fingerprint, "llmpipe": release}
+
+
+def _dig(tree: Any, dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def consistency(spec: StageSpec, manifest: Manifest) -> str | None:
@@ -237,7 +287,7 @@ def state(cfg: RunConfig, name: str, expected: str | None = None, full: bool = T
     if problem:
         return f"invalid: {folder / 'manifest.json'}: {problem}", manifest
     expected = expected or fingerprints(cfg)[name]
-    if manifest.fingerprint != expected:
+    if manifest.fingerprint != expected and adopted(cfg, SPECS[name], manifest) is None:
         return "stale", manifest
     problem = manifest.verify(folder, full=full, rehash=rehash)
     if problem:
@@ -321,6 +371,18 @@ def _record_operational_changes(spec: StageSpec, cfg: RunConfig, manifest: Manif
         manifest.write(stage_dir(cfg.run_dir(), spec.name))
 
 
+def _record_adoption(spec: StageSpec, cfg: RunConfig, manifest: Manifest, fp: str) -> None:
+    """A result of an earlier release taken as this stage's (see adopted): its manifest gets today's
+    fingerprint, and a change entry saying what it had and which release wrote it."""
+    found = adopted(cfg, spec, manifest)
+    log.info("%s: done by llmpipe %s (fingerprint %s, computed that release's way); adopted as %s", spec.name,
+             found["llmpipe"], found["fingerprint"][:12], fp[:12])
+    manifest.changes.append({"at": _now(), "adopted": found})
+    manifest.fingerprint = fp
+    with run_lock(cfg.run_dir()):
+        manifest.write(stage_dir(cfg.run_dir(), spec.name))
+
+
 def run_stage(name: str, cfg: RunConfig, force: bool = False,
               executor: Callable | None = None) -> tuple[Manifest, bool]:
     """Run one stage unless it is already done. Returns (manifest, executed). `executor`: see
@@ -333,6 +395,8 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False,
     if not force:
         status, manifest = state(cfg, name, fps[name])
         if status == "done":
+            if manifest.fingerprint != fps[name]:
+                _record_adoption(spec, cfg, manifest, fps[name])
             log.info("%s: up to date (fingerprint %s), skipped", name, fps[name][:12])
             _record_operational_changes(spec, cfg, manifest)
             return manifest, False

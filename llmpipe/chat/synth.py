@@ -44,6 +44,24 @@ _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * 
 _PHRASES = ("What is {a} {op} {b}?", "Compute {a} {op} {b}.", "{a} {op} {b} = ?")
 
 
+# How many distinct questions each family can draw: asking for more would loop forever looking for new ones.
+ARITHMETIC_SPACE = 51 * 51 + 51 * 52 // 2 + 13 * 13  # a + b, a - b (a >= b) over 0..50; a * b over 0..12: 4096
+WORDS_SPACE = 10_000  # as many classify questions as words, their numbers drawn from 0..9999 without repeats
+
+
+def count_problem(n_arithmetic: int, n_words: int | None) -> str | None:
+    """Why these counts cannot be made (one line naming the option and the space), or None."""
+    if n_arithmetic > ARITHMETIC_SPACE:
+        return (f"synth-chat: --arithmetic {n_arithmetic}: only {ARITHMETIC_SPACE} distinct arithmetic questions "
+                "exist (sums and differences of 0..50, products of 0..12)")
+    words = n_arithmetic if n_words is None else n_words
+    if words > WORDS_SPACE:
+        option = "--words" if n_words is not None else "--arithmetic (the default of --words)"
+        return (f"synth-chat: {option} {words}: at most {WORDS_SPACE} made-up words (each comes with a classify "
+                "question on a distinct number of 0..9999)")
+    return None
+
+
 def _arithmetic(rng: random.Random, n: int) -> list[tuple[str, str, str]]:
     """n distinct (key, question, answer); the key (the operation and operands) decides the split, so every
     phrasing of one sum lands on the same side."""

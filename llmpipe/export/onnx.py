@@ -300,11 +300,13 @@ def engine_parity(model: Transformer, engine, length: int, seed: int, new_tokens
         for _ in range(n - 1):
             logits.append(engine.step(tokens[-1]))
             tokens.append(logits[-1].argmax(-1))
-        tokens_arr = np.stack(tokens, axis=1)
-        per_batch.append({"batch": batch, "prompt": prompt_len, "new_tokens": n,
-                          "identical_tokens": bool((tokens_arr == ref_tokens).all()),
+        tokens_arr, got = np.stack(tokens, axis=1), np.stack(logits, axis=1)
+        # NaN logits argmax to token 0 on both sides: a NaN run is never called identical
+        finite = bool(np.isfinite(got).all() and np.isfinite(ref_logits).all())
+        per_batch.append({"batch": batch, "prompt": prompt_len, "new_tokens": n, "finite_logits": finite,
+                          "identical_tokens": finite and bool((tokens_arr == ref_tokens).all()),
                           "token_agreement": float((tokens_arr == ref_tokens).mean()),
-                          **logit_agreement(ref_logits, np.stack(logits, axis=1))})
+                          **logit_agreement(ref_logits, got)})
     return {"cache_len": length, "runs": per_batch,
             "identical_tokens": all(r["identical_tokens"] for r in per_batch),
             "max_abs_diff": max(r["max_abs_diff"] for r in per_batch),

@@ -23,7 +23,6 @@ The engine interface is decode.py's: `start(ids)` -> the last position's logits 
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +30,7 @@ import numpy as np
 import onnxruntime as ort
 
 from llmpipe import device
+from llmpipe.errors import UserError
 from llmpipe.infer.decode import CapacityError
 
 GENAI_CONFIG = "genai_config.json"
@@ -50,10 +50,21 @@ class GraphConfig:
 
     @classmethod
     def read(cls, folder: Path) -> GraphConfig:
-        config = json.loads((Path(folder) / GENAI_CONFIG).read_text(encoding="utf-8"))
-        decoder = config["model"]["decoder"]
-        return cls(int(decoder["num_key_value_heads"]), int(decoder["head_size"]),
-                   int(config["model"]["context_length"]), bool(config["search"].get("past_present_share_buffer")))
+        """genai_config.json's few fields FusedEngine needs; GraphConfigError (one line) when it cannot say."""
+        from llmpipe.manifest import read_json_file
+
+        path = Path(folder) / GENAI_CONFIG
+        config = read_json_file(path, GraphConfigError)
+        try:
+            decoder = config["model"]["decoder"]
+            return cls(int(decoder["num_key_value_heads"]), int(decoder["head_size"]),
+                       int(config["model"]["context_length"]), bool(config["search"].get("past_present_share_buffer")))
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as err:
+            raise GraphConfigError(f"{path}: invalid: {type(err).__name__}: {err}") from None
+
+
+class GraphConfigError(UserError):
+    """An ORT-optimised graph's genai_config.json that does not say what FusedEngine needs."""
 
 
 def graph_problem(session: ort.InferenceSession, config: GraphConfig, args) -> str | None:

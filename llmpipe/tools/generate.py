@@ -30,6 +30,7 @@ shows an end-of-turn string; only the answer is printed (the closing numbers go 
 from __future__ import annotations
 
 import io
+import logging
 import math
 import sys
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from llmpipe.export.fused import ORT_VARIANTS
 
 VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
 ORT_GRAPH = "ort_graph/model.onnx"  # export_onnx's ORT-optimised graph (export.ort_graph), fp32 runs it
+log = logging.getLogger("llmpipe.generate")
 MAX_THREADS = 1024  # --threads: above any machine's cores; bounds the threads a typo makes onnxruntime start
 
 
@@ -386,12 +388,19 @@ def pick_greedy(logits: np.ndarray) -> np.ndarray:
 def run_generate(run_dir: Path, prompt: str | None, max_new_tokens: int = 64, variant: str = "fp32",
                  temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
                  seed: int | None = None, threads: int | None = None, out: TextIO | None = None, *,
-                 chat: str | None = None, system: str | None = None) -> dict:
+                 chat: str | None = None, system: str | None = None, allow_ungated: bool = False) -> dict:
     """Stream a continuation of `prompt` to `out` (default: sys.stdout at the call), or with `chat` the
-    answer to that question alone; returns the numbers of the closing line."""
+    answer to that question alone; returns the numbers of the closing line. A variant a gate rejected (for
+    the model in the folder now: llmpipe.verdicts) is refused unless `allow_ungated`, as serve refuses it."""
     from llmpipe.infer.decode import CapacityError, generate, pick_tokens
+    from llmpipe.verdicts import rejection
 
     check_options(prompt or "", max_new_tokens, temperature, top_k, top_p, seed, threads, chat, system)
+    refused = rejection(Path(run_dir), variant)
+    if refused and not allow_ungated:
+        raise GenerateError(f"{refused}; refusing to generate with it (--allow-ungated to generate anyway)")
+    if refused:
+        log.warning("generate: UNGATED (--allow-ungated): %s", refused)
     option = "--prompt" if chat is None else "--chat"
     template = run_template(Path(run_dir), variant)
     if chat is not None and template is None:

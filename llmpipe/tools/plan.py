@@ -162,12 +162,21 @@ class Setup:
         return self.precision == "fp32"
 
 
+def planned_vocab(cfg: RunConfig) -> int | None:
+    """The vocabulary to plan with: data.tokenizer.vocab_size for a tokenizer the run trains; None (the
+    model's own) for model.init_from, whose folder's tokenizer and config.json define it (issue 36 item 14:
+    the default 8,192 against an init_from's 4,096 refused the plan), and for data.tokenizer.path."""
+    if cfg.model.init_from or cfg.data.tokenizer.path:
+        return None
+    return cfg.data.tokenizer.vocab_size
+
+
 def setup_from_config(cfg: RunConfig, world_size: int | None = None) -> Setup:
     """The Setup of `cfg` at `world_size` (default: dp*tp*pp, or nproc_per_node when dp is inferred);
     the layout is validated as training validates it (LayoutError, or ConfigError for the model)."""
     t, par = cfg.train, cfg.train.parallel
     try:
-        args = model_args(cfg.model, cfg.data.tokenizer.vocab_size)
+        args = model_args(cfg.model, planned_vocab(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     if cfg.data.seq_len > args.max_seq_len:

@@ -222,8 +222,10 @@ class Deploy:
 def deploy(cfg: RunConfig, soc: str | None = None, bandwidth_gbs: float | None = None,
            memory_gib: float | None = None) -> Deploy:
     """Size `cfg`'s model for inference on `soc` (default convert_om.soc_version): see the module docstring."""
+    from llmpipe.tools.plan import planned_vocab
+
     try:
-        args = model_args(cfg.model, cfg.data.tokenizer.vocab_size)
+        args = model_args(cfg.model, planned_vocab(cfg))
     except ValueError as err:
         raise ConfigError(str(err)) from None
     dev = resolve_target(soc or cfg.convert_om.soc_version, bandwidth_gbs, memory_gib,

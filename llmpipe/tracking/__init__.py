@@ -17,7 +17,7 @@ import logging
 from typing import Any
 
 from llmpipe.config import RunConfig
-from llmpipe.tracking.client import TrackingError, quiet, resolve_uri, short
+from llmpipe.tracking.client import TrackingError, quiet, resolve_uri, short, within
 
 log = logging.getLogger("llmpipe.tracking")
 
@@ -34,7 +34,11 @@ def _safe(cfg: RunConfig, status: str | None) -> str | None:
     uri = resolve_uri(cfg.tracking.mlflow.tracking_uri, cfg.run.artifacts_dir)
     try:
         with quiet():
-            return sync.sync(cfg, status)
+            return within(cfg.tracking.mlflow.deadline_s, uri, lambda cancelled: sync.sync(cfg, status, cancelled))
+    except TrackingError as err:
+        log.warning("tracking: %s (tracking.mlflow.deadline_s); the run goes on, and the next stage's sync (or "
+                    "`llmpipe track %s`) logs what is missing", err, cfg.run.name)
+        return None
     except Exception as err:  # noqa: BLE001  tracking never fails a stage; the next sync retries
         log.warning("tracking: MLflow at %s failed: %s; the run goes on, and the next stage's sync (or "
                     "`llmpipe track %s`) logs what is missing", uri, short(err), cfg.run.name)
@@ -61,7 +65,7 @@ def backfill(cfg: RunConfig) -> dict[str, Any]:
     uri = resolve_uri(cfg.tracking.mlflow.tracking_uri, cfg.run.artifacts_dir)
     try:
         with quiet():
-            run_id = sync.sync(cfg)
+            run_id = within(cfg.tracking.mlflow.deadline_s, uri, lambda cancelled: sync.sync(cfg, None, cancelled))
     except TrackingError:
         raise
     except Exception as err:  # noqa: BLE001  MLflow's own and connection errors: one line
@@ -75,7 +79,11 @@ def link(cfg: RunConfig) -> tuple[str | None, str] | None:
     run is) for the Prefect flow run's artifact; None when the run has no MLflow run."""
     from llmpipe.tracking import folder
 
-    found = folder.run_link(cfg)
+    try:
+        found = folder.run_link(cfg)
+    except TrackingError as err:  # an invalid mlflow.json: the syncs warn about it; the flow goes on
+        log.warning("tracking: %s", err)
+        return None
     if found is None:
         return None
     uri, run_id = found

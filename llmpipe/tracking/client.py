@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -88,3 +90,47 @@ def quiet():
     finally:
         for lg, level in zip(loggers, levels):
             lg.setLevel(level)
+
+
+def within(deadline_s: float, uri: str, fn: Callable[[threading.Event], Any]) -> Any:
+    """fn(cancelled) in a daemon thread, waited for at most `deadline_s`: a server that trickles a byte at a
+    time never trips the per-read timeout, so a whole sync (or `llmpipe runs`) gets one deadline. Past it,
+    TrackingError (one line) and `cancelled` is set: fn must then write nothing more (the thread, blocked on
+    its socket, is left to end with the process)."""
+    import mlflow  # noqa: F401  imported first: seconds of import are not the server's time
+
+    done: dict[str, Any] = {}
+    cancelled = threading.Event()
+
+    def target() -> None:
+        try:
+            done["value"] = fn(cancelled)
+        except BaseException as err:  # noqa: BLE001  handed to the caller
+            done["error"] = err
+
+    worker = threading.Thread(target=target, name="llmpipe-tracking", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
+    if worker.is_alive():
+        cancelled.set()
+        raise TrackingError(f"MLflow at {uri} failed: no complete answer within {deadline_s:g} s")
+    if "error" in done:
+        raise done["error"]
+    return done.get("value")
+
+
+def missing_store(uri: str) -> str | None:
+    """For a command that only reads (`llmpipe runs`, promote, models:/...): why a local store named by `uri`
+    does not exist (MLflow would create an empty database or folder there), or None."""
+    from urllib.parse import unquote
+
+    parsed = urlparse(uri)
+    if parsed.scheme == "sqlite":
+        path = unquote(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else ""
+        if path and path != ":memory:" and not Path(path).is_file():
+            return f"{uri}: no MLflow database there ({path} does not exist)"
+    elif parsed.scheme in ("", "file"):
+        path = unquote(parsed.path) if parsed.scheme == "file" else uri
+        if not Path(path).is_dir():
+            return f"{uri}: no MLflow store there ({path} is not a folder)"
+    return None

@@ -10,7 +10,7 @@ from typing import Any
 
 from llmpipe.config import RunConfig
 from llmpipe.manifest import Manifest, write_json_atomic
-from llmpipe.tracking.client import resolve_uri
+from llmpipe.tracking.client import TrackingError, resolve_uri
 
 STATE_FILE = "mlflow.json"  # in the run folder: the MLflow run (and attempts, versions) per tracking URI
 PARAM_MAX = 6000  # MLflow's longest param value
@@ -19,11 +19,38 @@ _KEY_BAD = re.compile(r"[^A-Za-z0-9_\-. :/]")
 
 
 def load_state(run_dir: Path) -> dict[str, Any]:
-    try:
-        state = json.loads((Path(run_dir) / STATE_FILE).read_text())
-    except (OSError, ValueError):
+    """The run folder's mlflow.json ({"stores": {}} when there is none), read bounded and checked for the shape
+    llmpipe writes; TrackingError "mlflow.json: invalid: why" otherwise (the folder is untrusted input: a
+    malformed file is never a traceback, nor silently replaced)."""
+    from llmpipe.manifest import read_json_file
+
+    path = Path(run_dir) / STATE_FILE
+    if not path.exists() and not path.is_symlink():
         return {"stores": {}}
-    return state if isinstance(state, dict) and isinstance(state.get("stores"), dict) else {"stores": {}}
+    state = read_json_file(path, TrackingError)
+    problem = _state_problem(state)
+    if problem:
+        raise TrackingError(f"{path}: invalid: {problem} (remove the file to start a new MLflow run)")
+    return state
+
+
+def _state_problem(state: dict[str, Any]) -> str | None:
+    stores = state.get("stores")
+    if not isinstance(stores, dict):
+        return "stores: expected an object"
+    for uri, store in stores.items():
+        if not isinstance(store, dict):
+            return f"stores.{uri}: expected an object"
+        for field in ("run_id", "experiment_id"):
+            if field in store and not isinstance(store[field], str):
+                return f"stores.{uri}.{field}: expected a string"
+        if not isinstance(store.get("attempts", {}), dict) or not all(
+                isinstance(v, str) for v in store.get("attempts", {}).values()):
+            return f"stores.{uri}.attempts: expected an object of run ids"
+        versions = store.get("versions", {})
+        if not isinstance(versions, dict) or not all(isinstance(v, dict) for v in versions.values()):
+            return f"stores.{uri}.versions: expected an object of {{name, version}} entries"
+    return None
 
 
 def save_state(run_dir: Path, state: dict[str, Any]) -> None:

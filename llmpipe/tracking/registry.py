@@ -26,12 +26,14 @@ from typing import Any
 from llmpipe import attempts
 from llmpipe.config import RunConfig
 from llmpipe.manifest import Manifest
-from llmpipe.tracking.client import TrackingError, client, quiet, short
+from llmpipe.tracking.client import TrackingError, client, missing_store, quiet, short
 
 log = logging.getLogger("llmpipe.tracking")
 
 CANDIDATE = "candidate"
 GATES = "llmpipe.gates"
+VARIANT = "llmpipe.gates.variant."  # + fp32, int8 ...: passed | failed, for the model this version is
+PASSED = "llmpipe.gates.passed_variants"  # the variants that passed, comma-separated
 _MODELS_URI = re.compile(r"^models:/(?P<name>[^/@]+)(?:@(?P<alias>[^/@]+)|/(?P<version>[0-9]+))$")
 _NAME_VERSION = re.compile(r"^(?P<name>[^/@]+)/(?P<version>[0-9]+)$")
 DEPLOYED = ("export_onnx", "convert_om", "benchmark")  # whose outputs are attached to the version
@@ -55,20 +57,45 @@ def sync(c: Any, cfg: RunConfig, run_id: str, store: dict[str, Any]) -> None:
     digest = cons.content_digest()
     versions = store.setdefault("versions", {})
     entry = versions.get(digest)
-    if entry is None or not _exists(c, entry):
-        versions[digest] = entry = _register(c, cfg, run_id, cons, digest)
+    if entry is None or not _ours(c, cfg, run_id, entry, digest):
+        versions[digest] = entry = _find(c, cfg, run_id, digest) or _register(c, cfg, run_id, cons, digest)
     _attach(c, cfg, run_id, entry, digest)
     _gates(c, cfg, run_id, entry, digest, cons)
 
 
-def _exists(c: Any, entry: dict[str, str]) -> bool:
+def _ours(c: Any, cfg: RunConfig, run_id: str, entry: Any, digest: str) -> bool:
+    """Whether mlflow.json's version entry is this run's model: the version exists, under the run's model
+    name, made by the run's MLflow run from this consolidated model. The folder is untrusted: an edited
+    entry must not let a sync judge (and alias) another model's version."""
     from mlflow.exceptions import MlflowException
 
+    ok = False
+    if isinstance(entry, dict) and entry.get("name") == model_name(cfg):
+        try:
+            mv = c.get_model_version(entry["name"], str(entry.get("version")))
+            ok = mv.run_id == run_id and mv.tags.get("llmpipe.consolidate_digest") == digest
+        except MlflowException:
+            ok = False
+    if not ok:
+        shown = f"{entry.get('name')}/{entry.get('version')}" if isinstance(entry, dict) else repr(entry)
+        log.warning("tracking: mlflow.json's model version entry %s is not this run's consolidated model "
+                    "(another name, run or model); not used", shown[:120])
+    return ok
+
+
+def _find(c: Any, cfg: RunConfig, run_id: str, digest: str) -> dict[str, str] | None:
+    """The version this run registered for `digest` already (a lost or edited mlflow.json), if any."""
+    from mlflow.exceptions import MlflowException
+
+    name = model_name(cfg)
     try:
-        c.get_model_version(entry["name"], entry["version"])
-        return True
+        found = c.search_model_versions(f"name = '{name}' and run_id = '{run_id}'")
     except MlflowException:
-        return False
+        return None
+    for mv in found:
+        if mv.tags.get("llmpipe.consolidate_digest") == digest:
+            return {"name": name, "version": str(mv.version)}
+    return None
 
 
 def _register(c: Any, cfg: RunConfig, run_id: str, cons: Manifest, digest: str) -> dict[str, str]:
@@ -80,6 +107,7 @@ def _register(c: Any, cfg: RunConfig, run_id: str, cons: Manifest, digest: str) 
     name = model_name(cfg)
     hf = stage_dir(cfg.run_dir(), "consolidate") / "hf"
     folder = hf if hf.is_dir() else stage_dir(cfg.run_dir(), "consolidate")
+    trusted(cons, stage_dir(cfg.run_dir(), "consolidate"), folder)
     path = f"model-{digest[:12]}/{folder.name if folder == hf else 'model'}"
     c.log_artifacts(run_id, str(folder), path)
     try:
@@ -94,6 +122,20 @@ def _register(c: Any, cfg: RunConfig, run_id: str, cons: Manifest, digest: str) 
                                 description=f"run {cfg.run.name}, consolidated {cons.finished_at}")
     log.info("tracking: registered %s version %s (%s)", name, mv.version, source)
     return {"name": name, "version": str(mv.version)}
+
+
+def trusted(manifest: Manifest, stage_folder: Path, upload: Path | None = None) -> None:
+    """TrackingError unless `manifest` verifies (every output's size and sha256, inside its folder) and
+    `upload` (a folder about to be uploaded whole) holds no link that leads out of the stage folder: nothing
+    outside the run reaches the artifact store, and no verdict comes from files the manifest does not vouch
+    for."""
+    problem = manifest.verify(stage_folder)
+    if problem:
+        raise TrackingError(f"{stage_folder}: {problem}; not uploaded (run {manifest.stage} again)")
+    inside = stage_folder.resolve()
+    for p in sorted(upload.rglob("*")) if upload is not None else ():
+        if p.is_symlink() and not p.resolve().is_relative_to(inside):
+            raise TrackingError(f"{p}: a link out of the run folder (to {p.resolve()}); not uploaded")
 
 
 def _from_this_model(cfg: RunConfig, stage: str, digest: str) -> Manifest | None:
@@ -120,47 +162,59 @@ def _attach(c: Any, cfg: RunConfig, run_id: str, entry: dict[str, str], digest: 
         if m is None or have.get(tag, "").endswith(m.fingerprint):
             continue
         folder = stage_dir(cfg.run_dir(), stage)
+        trusted(m, folder)
         under = f"model-{digest[:12]}/deploy/{folder.name}"
-        for out in m.outputs.values():
+        for name, out in m.outputs.items():
             rel = Path(out["path"])
             if stage == "benchmark" and rel.parts[0] != "variants":  # results are the run's artifacts
                 continue
             parent = "/".join([under, *rel.parts[:-1]])
-            c.log_artifact(run_id, str(folder / rel), parent)
+            c.log_artifact(run_id, str(m.path(folder, name)), parent)  # resolved inside the folder, or refused
         c.set_model_version_tag(entry["name"], entry["version"], tag, f"{base}/{under} {m.fingerprint}")
 
 
-def verdict(cfg: RunConfig, digest: str, cons: Manifest) -> tuple[str, dict[str, str]]:
-    """passed / failed / pending for the consolidated model `digest`, with each judging stage's word:
-    the benchmark's quality gates (a rejected variant fails), and any stage after it (evaluate) that
-    reports `rejected` or `gates_passed` in its metrics."""
-    from llmpipe.stages import SPECS, stage_dir
+def verdict(cfg: RunConfig, digest: str, cons: Manifest) -> tuple[str, dict[str, str], dict[str, str]]:
+    """passed / failed / pending for the consolidated model `digest`, each judging stage's word, and each
+    variant's (llmpipe.verdicts: a variant passes when no judge rejected it). A stage's word counts only if it
+    judged this model (its recorded inputs are the run's current stages: not stale) and its manifest
+    verifies. The model passes when at least one variant passed: `candidate` and `promote` act on the
+    variants that passed, and one is not refused for another's rejection."""
+    from llmpipe.stages import stage_dir
+    from llmpipe.verdicts import JUDGES, judged, per_variant
 
+    run_dir = cfg.run_dir()
     words: dict[str, str] = {}
-    order = list(SPECS)
-    for stage in order[order.index("benchmark"):] if "benchmark" in order else []:
-        m = _manifest(cfg, stage)
-        judged = m is not None and m.status == "completed" and (
-            stage == "benchmark" or "rejected" in m.metrics or "gates_passed" in m.metrics)
-        if judged and (stage != "benchmark" or m.inputs.get("consolidate") == digest):
-            bad = bool(m.metrics.get("rejected")) or m.metrics.get("gates_passed") is False
-            words[stage] = "failed" if bad else "passed"
-        elif m is None:
-            failure = attempts.last_failure(cfg.run_dir(), stage_dir(cfg.run_dir(), stage).name)
+    for stage in JUDGES:
+        j = judged(run_dir, stage)
+        current = j.manifest is not None and j.problem is None and (
+            stage != "benchmark" or j.manifest.inputs.get("consolidate") in (None, digest))
+        metrics = j.manifest.metrics if current else {}
+        if current and (stage == "benchmark" or "rejected" in metrics or "gates_passed" in metrics):
+            rejected = [str(v) for v in metrics.get("rejected") or []]
+            bad = bool(rejected) or metrics.get("gates_passed") is False
+            words[stage] = ("rejected " + ",".join(rejected) if rejected else "failed") if bad else "passed"
+        elif _manifest(cfg, stage) is None or j.problem:  # none, or one about an earlier model (stale)
+            failure = attempts.last_failure(run_dir, stage_dir(run_dir, stage).name)
             if failure is not None and failure[0].when >= cons.finished_at:
-                words[stage] = "failed"  # e.g. an enforced quality gate stopped it
+                words[stage] = "failed"  # e.g. a required variant failed, or nothing deployable was left
+    variants = per_variant(run_dir) if "benchmark" in words and words["benchmark"] != "failed" else {}
+    if "failed" in words.values():
+        return "failed", words, variants
     if "benchmark" not in words:
-        return ("failed" if "failed" in words.values() else "pending"), words
-    return ("failed" if "failed" in words.values() else "passed"), words
+        return "pending", words, variants
+    return ("passed" if "passed" in variants.values() else "failed"), words, variants
 
 
 def _gates(c: Any, cfg: RunConfig, run_id: str, entry: dict[str, str], digest: str, cons: Manifest) -> None:
     name, version = entry["name"], entry["version"]
-    word, words = verdict(cfg, digest, cons)
+    word, words, variants = verdict(cfg, digest, cons)
     have = c.get_model_version(name, version).tags
-    for stage, w in words.items():
-        if have.get(f"{GATES}.{stage}") != w:
-            c.set_model_version_tag(name, version, f"{GATES}.{stage}", w)
+    tags = {**{f"{GATES}.{stage}": w for stage, w in words.items()},
+            **{f"{VARIANT}{v}": w for v, w in variants.items()},
+            **({PASSED: ",".join(v for v, w in variants.items() if w == "passed")} if variants else {})}
+    for tag, w in tags.items():
+        if have.get(tag) != w:
+            c.set_model_version_tag(name, version, tag, w)
     if have.get(GATES) != word:
         c.set_model_version_tag(name, version, GATES, word)
     run = c.get_run(run_id)
@@ -170,7 +224,8 @@ def _gates(c: Any, cfg: RunConfig, run_id: str, entry: dict[str, str], digest: s
     if word == "passed" and "llmpipe.candidate_at" not in have:  # once: a person may move it later
         c.set_registered_model_alias(name, CANDIDATE, version)
         c.set_model_version_tag(name, version, "llmpipe.candidate_at", _now())
-        log.info("tracking: %s version %s passed its gates: alias @%s", name, version, CANDIDATE)
+        log.info("tracking: %s version %s passed its gates (%s): alias @%s", name, version,
+                 ", ".join(v for v, w in variants.items() if w == "passed"), CANDIDATE)
 
 
 def _now() -> str:
@@ -193,18 +248,28 @@ def _version(c: Any, name: str, version: str | None, alias: str | None, uri: str
         raise TrackingError(f"MLflow at {uri} failed: {short(err)}") from None
 
 
-def promote(uri: str, name: str, version: str, alias: str, force: bool, timeout_s: float = 10.0) -> str:
-    """Move `alias` to NAME/VERSION if its gates passed (or with force, recorded on the version)."""
+def promote(uri: str, name: str, version: str, alias: str, force: bool, timeout_s: float = 10.0,
+            variant: str | None = None) -> str:
+    """Move `alias` to NAME/VERSION if its gates passed (with `variant`: if that variant passed), or with force
+    (recorded on the version)."""
+    problem = missing_store(uri)
+    if problem:
+        raise TrackingError(problem)
     with quiet():
-        return _promote(uri, name, version, alias, force, timeout_s)
+        return _promote(uri, name, version, alias, force, timeout_s, variant)
 
 
-def _promote(uri: str, name: str, version: str, alias: str, force: bool, timeout_s: float) -> str:
+def _promote(uri: str, name: str, version: str, alias: str, force: bool, timeout_s: float,
+             variant: str | None = None) -> str:
     c = client(uri, timeout_s)
     mv = _version(c, name, version, None, uri)
-    gates = mv.tags.get(GATES)
+    gates = mv.tags.get(GATES) if variant is None else mv.tags.get(f"{VARIANT}{variant}")
     if gates != "passed" and not force:
-        why = f"its gates are {gates}" if gates in ("failed", "pending") else "it has no gate verdict recorded"
+        if variant is not None:
+            why = (f"its {variant} variant's gates are {gates}" if gates else
+                   f"it has no gate verdict for the {variant} variant (passed: {mv.tags.get(PASSED) or 'none'})")
+        else:
+            why = f"its gates are {gates}" if gates in ("failed", "pending") else "it has no gate verdict recorded"
         raise TrackingError(f"{name}/{version}: {why}; not promoted to @{alias} (--force promotes anyway, "
                             "recorded on the version)")
     try:
@@ -212,10 +277,13 @@ def _promote(uri: str, name: str, version: str, alias: str, force: bool, timeout
             c.set_model_version_tag(name, version, f"llmpipe.forced.{alias}", f"{_now()} gates {gates or 'none'}")
             log.warning("promote: %s/%s promoted to @%s with --force although its gates are %s", name, version,
                         alias, gates or "not recorded")
+        if variant is not None:  # which variant the alias was given for
+            c.set_model_version_tag(name, version, f"llmpipe.alias.{alias}.variant", variant)
         c.set_registered_model_alias(name, alias, version)
     except Exception as err:  # noqa: BLE001
         raise TrackingError(f"promote {name}/{version} to @{alias}: MLflow at {uri} failed: {short(err)}") from None
-    return f"{name}/{version} -> @{alias} (gates {gates or 'none'}{', forced' if gates != 'passed' else ''})"
+    what = f"gates {gates or 'none'}" if variant is None else f"{variant}: gates {gates or 'none'}"
+    return f"{name}/{version} -> @{alias} ({what}{', forced' if gates != 'passed' else ''})"
 
 
 def current_version(cfg: RunConfig) -> tuple[str, str]:
@@ -246,6 +314,9 @@ def resolve(models_uri: str, uri: str, timeout_s: float = 10.0) -> Path:
     m = _MODELS_URI.match(models_uri)
     if not m:
         raise TrackingError(f"{models_uri!r}: expected models:/NAME@ALIAS or models:/NAME/VERSION")
+    problem = missing_store(uri)
+    if problem:
+        raise TrackingError(problem)
     with quiet():
         mv = _version(client(uri, timeout_s), m["name"], m["version"], m["alias"], uri)
     run_dir = mv.tags.get("llmpipe.run_dir")
@@ -255,4 +326,19 @@ def resolve(models_uri: str, uri: str, timeout_s: float = 10.0) -> Path:
     if not Path(run_dir).is_dir():
         raise TrackingError(f"{models_uri} is version {mv.version}, made by the run folder {run_dir}, which is not "
                             "on this machine")
+    _same_model(models_uri, mv, Path(run_dir))
     return Path(run_dir)
+
+
+def _same_model(models_uri: str, mv: Any, run_dir: Path) -> None:
+    """TrackingError unless the run folder still holds the consolidated model the version is: after a rerun,
+    the folder holds a newer model, which the alias never named."""
+    from llmpipe.stages import stage_dir
+
+    want = mv.tags.get("llmpipe.consolidate_digest") or "none recorded"
+    cons = Manifest.read(stage_dir(run_dir, "consolidate"))
+    now = cons.content_digest() if cons is not None and cons.status == "completed" else "none"
+    if now != want:
+        raise TrackingError(f"{models_uri} is version {mv.version}, consolidated model {want[:12]}, but its run "
+                            f"folder {run_dir} now holds consolidated model {now[:12]}; refusing to load another "
+                            "model than the version")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from llmpipe.tracking.client import TrackingError, client, quiet, short
+from llmpipe.tracking.client import TrackingError, client, missing_store, quiet, short, within
 
 COLUMNS = ("run", "status", "steps", "val_loss", "tokens/s", "gates", "model", "aliases")
 
@@ -13,10 +13,14 @@ def _fmt(value: Any, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def rows(uri: str, experiment: str | None, timeout_s: float = 10.0) -> list[dict[str, str]]:
-    """One row per llmpipe run (nested train attempts left out), newest first."""
+def rows(uri: str, experiment: str | None, timeout_s: float = 10.0, deadline_s: float = 60.0) -> list[dict[str, str]]:
+    """One row per llmpipe run (nested train attempts left out), newest first; TrackingError when the store
+    does not exist (never created by a command that reads) or does not answer in full within `deadline_s`."""
+    problem = missing_store(uri)
+    if problem:
+        raise TrackingError(problem)
     with quiet():
-        return _rows(uri, experiment, timeout_s)
+        return within(deadline_s, uri, lambda _: _rows(uri, experiment, timeout_s))
 
 
 def _rows(uri: str, experiment: str | None, timeout_s: float) -> list[dict[str, str]]:

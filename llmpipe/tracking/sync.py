@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import os
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -55,9 +56,10 @@ BATCH = 900  # MLflow takes at most 1000 metrics per log_batch
 _ARTIFACT_SUFFIXES = (".md", ".html", ".png")
 
 
-def sync(cfg: RunConfig, status: str | None = None) -> str:
+def sync(cfg: RunConfig, status: str | None = None, cancelled: threading.Event | None = None) -> str:
     """Bring the run's MLflow run up to date with its folder; returns the MLflow run id. `status`:
-    RUNNING, FINISHED or FAILED to set (None: leave it)."""
+    RUNNING, FINISHED or FAILED to set (None: leave it). `cancelled`: set when the caller gave up waiting
+    (client.within); the folder's mlflow.json is then left as the next sync finds it."""
     from llmpipe.tracking import registry
 
     m = cfg.tracking.mlflow
@@ -79,7 +81,7 @@ def sync(cfg: RunConfig, status: str | None = None) -> str:
             elif status != "RUNNING":
                 c.set_terminated(run_id, status)
     finally:
-        if run_dir.is_dir():
+        if run_dir.is_dir() and not (cancelled is not None and cancelled.is_set()):
             save_state(run_dir, state)
     return run_id
 
@@ -102,14 +104,19 @@ def _parent(c: Any, cfg: RunConfig, uri: str, store: dict[str, Any]) -> str:
     if run_id:
         try:
             run = c.get_run(run_id)
-            if run.info.lifecycle_stage == "deleted":
-                c.restore_run(run_id)
-            return run_id
+            tags = run.data.tags
+            if tags.get("llmpipe.run") == cfg.run.name:  # (a moved folder keeps its run: the name, not the path)
+                if run.info.lifecycle_stage == "deleted":
+                    c.restore_run(run_id)
+                return run_id
+            # mlflow.json is the folder's word, not the store's: a run id of another run is never logged to
+            log.warning("tracking: mlflow.json names MLflow run %s, which is not run %s's (it is %s's); starting "
+                        "a new one", str(run_id)[:64], cfg.run.name, str(tags.get("llmpipe.run"))[:64])
         except MlflowException as err:
-            if err.error_code != "RESOURCE_DOES_NOT_EXIST":
+            if err.error_code not in ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE"):
                 raise
-            log.warning("tracking: MLflow run %s of %s is gone from %s; starting a new one", run_id, cfg.run.name,
-                        uri)
+            log.warning("tracking: MLflow run %s of %s is gone from %s; starting a new one", str(run_id)[:64],
+                        cfg.run.name, uri)
     experiment_id = _experiment(c, cfg, uri)
     run = c.create_run(experiment_id, run_name=cfg.run.name,
                        tags={"llmpipe.run": cfg.run.name, "llmpipe.run_dir": str(cfg.run_dir())})
@@ -309,7 +316,7 @@ def _artifacts(c: Any, run_id: str, run_dir: Path) -> None:
     have = c.get_run(run_id).data.tags
     marks = []
     for path, under in files:
-        if not path.is_file():
+        if not path.is_file() or path.is_symlink():  # a link may lead out of the run (report.html included)
             continue
         st = path.stat()
         mark, value = key(f"llmpipe.artifact.{under or '.'}/{path.name}"), f"{st.st_size}:{st.st_mtime_ns}"

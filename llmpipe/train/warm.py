@@ -53,8 +53,25 @@ class WarmStart:
                 f"carried over {', '.join(CARRIED)}; lr schedule and optimizer settings from the new config")
 
 
-def write_attempt(work_dir: Path, cfg: config_mod.RunConfig, data_digest: str, fingerprint: str) -> None:
-    record = {"data": data_digest, "config": cfg.to_dict(), "fingerprint": fingerprint}
+# What in data_meta.json defines the data training reads; the rest (document counts, read errors, symlinks
+# refused) describes how prepare_data got there, and a release that adds such a key changes no token.
+DATA_META_KEYS = ("vocab_size", "eos_id", "eos_token", "dtype", "seq_len", "format", "chat")
+
+
+def data_digest(data_dir: Path, manifest) -> str:
+    """What defines prepare_data's result for training: the tokenizer's and shards' sha256 (every output but
+    data_meta.json) and the defining keys of data_meta.json (issue 36 item 19: a prepare_data rerun that
+    only adds a descriptive key to data_meta.json must not stop a warm start)."""
+    from llmpipe.manifest import fingerprint, read_json_bounded
+
+    meta = read_json_bounded(manifest.path(data_dir, "meta"))
+    return fingerprint({"outputs": {n: e["sha256"] for n, e in manifest.outputs.items() if n != "meta"},
+                        "meta": {k: meta.get(k) for k in DATA_META_KEYS}})
+
+
+def write_attempt(work_dir: Path, cfg: config_mod.RunConfig, data_digest: str, fingerprint: str,
+                  data_files: str | None = None) -> None:
+    record = {"data": data_digest, "data_files": data_files, "config": cfg.to_dict(), "fingerprint": fingerprint}
     (Path(work_dir) / ATTEMPT).write_text(json.dumps(record, indent=2) + "\n")
 
 
@@ -73,14 +90,16 @@ def _candidates(run_dir: Path, stage_folder: Path) -> list[Path]:
     return found + [k.path for k in attempts.kept(run_dir, attempts.SUPERSEDED, stage_folder.name)]
 
 
-def _why_not(source: Path, model: dict, data_digest: str) -> tuple[str | None, dict]:
+def _why_not(source: Path, model: dict, data_digest: str, data_files: str | None = None) -> tuple[str | None, dict]:
     """Why an earlier attempt cannot seed this one (None if it can), and its recorded attempt."""
     try:
         attempt = json.loads((source / ATTEMPT).read_text())
         old_model = json.loads((source / "model_config.json").read_text())["model"]
     except (OSError, ValueError, KeyError, TypeError):
         return "it records no attempt.json/model_config.json", {}
-    if attempt.get("data") != data_digest:
+    same = (attempt.get("data_files") == data_files if attempt.get("data_files") and data_files
+            else attempt.get("data") == data_digest)  # an attempt before data_files: the whole prepare_data
+    if not same:
         return "its data (tokenizer and shards) differ", attempt
     if old_model != model:
         return "its model architecture differs", attempt
@@ -119,7 +138,8 @@ def _pick_checkpoint(source: Path, cfg, attempt: dict, fingerprint: str) -> tupl
     return None
 
 
-def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str, fingerprint: str) -> WarmStart | None:
+def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str, fingerprint: str,
+         data_files: str | None = None) -> WarmStart | None:
     """The warm start for this attempt (`fingerprint`: the stage's now), or None (its own checkpoints
     come first; resume must be auto)."""
     resume = cfg.train.checkpoint.resume
@@ -127,7 +147,7 @@ def find(cfg, work_dir: Path, stage_folder: Path, model: dict, data_digest: str,
         return None
     new_tree = cfg.to_dict()
     for source in _candidates(cfg.run_dir(), stage_folder):
-        problem, attempt = _why_not(source, model, data_digest)
+        problem, attempt = _why_not(source, model, data_digest, data_files)
         picked = None if problem else _pick_checkpoint(source, cfg, attempt, fingerprint)
         if picked is None:
             log.info("no warm start from %s: %s", source,
@@ -148,14 +168,14 @@ def prepare(ctx) -> tuple[dict[str, Any], dict[str, Any] | None]:
 
     cfg, out = ctx.cfg, Path(ctx.work_dir)
     data_dir, data_manifest = ctx.inputs["prepare_data"]
-    digest = data_manifest.content_digest()
-    write_attempt(out, cfg, digest, ctx.fingerprint)
+    digest, files = data_manifest.content_digest(), data_digest(Path(data_dir), data_manifest)
+    write_attempt(out, cfg, digest, ctx.fingerprint, files)
     tree = cfg.to_dict()
     vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
     model = model_args(cfg.model, vocab_size=vocab).to_dict()
     from llmpipe.stages import stage_dir
 
-    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest, ctx.fingerprint)
+    found = find(cfg, out, stage_dir(ctx.run_dir, ctx.name), model, digest, ctx.fingerprint, files)
     if found is not None:
         if found.step == cfg.train.max_steps:
             log.info("%s is this stage's result already (an attempt with the same fingerprint, at train.max_steps="

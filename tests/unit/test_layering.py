@@ -182,7 +182,8 @@ LAYERS = (
     {"data", "checkpoint", "infer"},  # corpus and shards, the training state on disk, the inference runtime
     {"parallel"},  # layouts and strategies: they use checkpoint/, checkpoint/ never reaches into them
     {"train", "export", "bench", "eval"},  # the stages that drive them
-    {"config_checks", "preflight"},  # what is checked before a run: of the config alone, of this machine
+    # what is checked before a run (of the config alone, of this machine) or a deployment (the gates' verdicts)
+    {"config_checks", "preflight", "verdicts"},
     {"tools", "tracking"},  # user tools outside the stages; MLflow, fed from the run folder
     {"cli", "__main__"},
 )

@@ -5,7 +5,6 @@ Both use the rotate-half RoPE convention, so the mapping is a pure rename (no q/
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 
@@ -74,15 +73,9 @@ class HFFolderError(UserError, ValueError):
 
 
 def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise HFFolderError(f"{path}: not found") from None
-    except (OSError, ValueError) as err:
-        raise HFFolderError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise HFFolderError(f"{path}: expected a JSON object")
-    return data
+    from llmpipe.manifest import read_json_file
+
+    return read_json_file(path, HFFolderError)
 
 
 def _rope(c: dict, where: Path) -> tuple[float, dict | None]:
@@ -143,6 +136,8 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[Mod
     """ModelArgs for an HF LlamaForCausalLM / MistralForCausalLM folder, and facts the loader needs
     (tie_word_embeddings, sliding_window). Anything llmpipe's model does not compute the same way, or
     any size beyond llmpipe.models.limits.MODEL_LIMITS, is refused with one line naming the field."""
+    from llmpipe.models.limits import numeric_problem
+
     where = Path(folder) / CONFIG_JSON
     c = _read_json(where)
     archs = c.get("architectures") or []
@@ -160,6 +155,10 @@ def read_config(folder: str | Path, max_seq_len: int | None = None) -> tuple[Mod
                          rope_theta=theta, norm_eps=float(c.get("rms_norm_eps", 1e-6)), rope_scaling=scaling)
     except (TypeError, ValueError, OverflowError) as err:
         raise HFFolderError(f"{where}: {err}") from None
+    problem = numeric_problem({"rope_theta": theta, "rms_norm_eps": args.norm_eps,
+                               **{f"rope_scaling.{k}": v for k, v in (scaling or {}).items() if k != "rope_type"}})
+    if problem:
+        raise HFFolderError(f"{where}: {problem}")
     if c.get("head_dim") not in (None, args.head_dim):
         raise HFFolderError(f"{where}: head_dim: {c['head_dim']} differs from hidden_size / num_attention_heads "
                             f"= {args.head_dim}, which llmpipe's LLaMA assumes")

@@ -4,7 +4,8 @@ Before anything listens: the options are checked, the variant's files are verifi
 stages' manifests and its graphs against the decoder's contract (llmpipe.tools.generate.open_run), the
 chat template against training's digest (run_template), and the benchmark stage must have completed
 (its files verified) with the variant measured by its quality gate and not rejected, nor rejected by the
-evaluate stage's gates where that stage has run; otherwise one
+evaluate stage's gates where that stage has run, and both verdicts must be about the model in the folder now
+(llmpipe.verdicts: not stale); otherwise one
 `error:` line (--allow-ungated serves anyway, and says so in the log). The routes are in app.py, the
 decode loop (continuous batching over the static decoder's rows, or the ORT-optimised graph's where the run
 has one: llmpipe.infer.batching) in scheduler.py.
@@ -34,41 +35,11 @@ class ServeError(UserError):
 
 
 def gate_problem(run_dir: Path, variant: str) -> str | None:
-    """Why `variant` of the run has not passed the benchmark stage's gates, or None."""
-    from llmpipe.manifest import Manifest
-    from llmpipe.stages import stage_dir
+    """Why `variant` of the run has not passed its gates for the model in the folder now, or None
+    (llmpipe.verdicts: a verdict about an earlier model is stale)."""
+    from llmpipe.verdicts import variant_problem
 
-    folder = stage_dir(run_dir, "benchmark")
-    manifest = Manifest.read(folder)
-    if manifest is None or manifest.status != "completed":
-        return f"{run_dir}: the benchmark stage has not completed, so no quality gate has passed"
-    problem = manifest.verify(folder)
-    if problem:
-        return f"{folder}: {problem}"
-    if variant in (manifest.metrics.get("rejected") or []):
-        return f"{variant} was rejected by the benchmark's quality gate ({folder / 'results.md'})"
-    if variant != "torch" and variant not in (manifest.metrics.get("ppl") or {}):
-        return f"{variant} was not measured by the benchmark's quality gate (is it in benchmark.variants?)"
-    return evaluation_problem(run_dir, variant)
-
-
-def evaluation_problem(run_dir: Path, variant: str) -> str | None:
-    """Why the evaluate stage's result forbids serving `variant` (rejected by its gates, or its files changed),
-    or None; a run without an evaluation (made before the stage existed, or not evaluated yet) is not refused
-    for it."""
-    from llmpipe.manifest import Manifest
-    from llmpipe.stages import stage_dir
-
-    folder = stage_dir(run_dir, "evaluate")
-    manifest = Manifest.read(folder)
-    if manifest is None or manifest.status != "completed":
-        return None
-    problem = manifest.verify(folder)
-    if problem:
-        return f"{folder}: {problem}"
-    if variant in (manifest.metrics.get("rejected") or []):
-        return f"{variant} was rejected by the evaluation's gate ({folder / 'results.md'})"
-    return None
+    return variant_problem(run_dir, variant)
 
 
 def read_key(path: str) -> str:

@@ -11,6 +11,19 @@ from llmpipe.bench.serving import LocalServer, check_options, first_model, measu
 from llmpipe.errors import ConfigError
 
 
+def check_url(url: str) -> None:
+    """--url: an http(s) address with a host (and a port in range): one line, before any prompt is made."""
+    from urllib.parse import urlparse
+
+    try:
+        parsed = urlparse(url)
+        parsed.port  # noqa: B018  raises ValueError for a port out of range or not a number
+    except ValueError as err:
+        raise ConfigError(f"--url {url}: not a valid URL ({err})") from None
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        raise ConfigError(f"--url {url}: not an http(s) URL with a host (e.g. http://127.0.0.1:8000)")
+
+
 def bench_serve(run_dir: Path, url: str | None, variant: str, levels: list[int], rate: float | None, requests: int,
                 prompt_tokens: int, max_tokens: int, seed: int, api_key_file: str | None, json_out: Path | None,
                 allow_ungated: bool = False) -> int:
@@ -19,6 +32,8 @@ def bench_serve(run_dir: Path, url: str | None, variant: str, levels: list[int],
     from llmpipe.tools.serve import read_key
 
     check_options(requests, prompt_tokens, max_tokens, rate)
+    if url is not None:
+        check_url(url)
     api_key = read_key(api_key_file) if api_key_file else None
     if json_out is not None and not Path(json_out).parent.is_dir():
         raise ConfigError(f"--json: folder {Path(json_out).parent} does not exist")
