@@ -73,7 +73,7 @@ class Progress:
         self.desc, self.total, self.unit, self.rate_of = desc, total, unit, rate_of
         self.done, self.count, self.t0, self.last = 0.0, 0.0, time.monotonic(), time.monotonic()
         self.bar = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
-                        unit_scale=True) if _show_progress() else None
+                        unit_scale=True, disable=False) if _show_progress() else None  # (TQDM_DISABLE: libraries')
 
     def update(self, n: float, count: float = 0) -> None:
         self.done += n

@@ -48,7 +48,7 @@ class Progress:
         if sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=label, leave=False)
+            self.bar = tqdm(total=total, desc=label, leave=False, disable=False)  # (TQDM_DISABLE: lm_eval's)
 
     def update(self, n: int = 1) -> None:
         self.done += n
