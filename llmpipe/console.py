@@ -45,9 +45,22 @@ class ConsoleFilter(logging.Filter):
         return record.levelno >= logging.ERROR and not record.name.startswith(_ENGINE)
 
 
+# The terminal, once quiet_console() has run: bars go there; whatever else a library writes to sys.stderr
+# while a stage runs (lm_eval's and transformers' own progress bars) goes to the stage's log.
+_TERMINAL = None
+
+
+def terminal():
+    """Where progress bars go: the terminal (stderr as it was before any stage redirected it)."""
+    return _TERMINAL or sys.stderr
+
+
 def quiet_console() -> None:
     """Install ConsoleFilter on the root logger's terminal handlers (not on files, not on Prefect's API
-    handler, which subclasses neither); idempotent."""
+    handler, which subclasses neither), and send what libraries write to sys.stderr during a stage to its
+    log (see log_to); idempotent."""
+    global _TERMINAL
+    _TERMINAL = _TERMINAL or sys.stderr
     for handler in logging.getLogger().handlers:
         if type(handler) is logging.StreamHandler or type(handler).__name__ == "PrefectConsoleHandler":
             if not any(isinstance(f, ConsoleFilter) for f in handler.filters):
@@ -60,19 +73,24 @@ _OWN_HANDLERS = ("transformers",)
 
 @contextlib.contextmanager
 def log_to(path: Path) -> Iterator[Path]:
-    """Append every record logged in this process (all threads) to `path` while inside."""
+    """Append every record logged in this process (all threads) to `path` while inside; on a quiet console
+    (quiet_console), what is written to sys.stderr too."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter(LOG_FORMAT))
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in _OWN_HANDLERS)]
     for lg in loggers:
         lg.addHandler(handler)
-    try:
-        yield path
-    finally:
-        for lg in loggers:
-            lg.removeHandler(handler)
-        handler.close()
+    with contextlib.ExitStack() as stack:
+        if _TERMINAL is not None:  # quiet: the innermost log_to (a stage's, inside run.log's) takes it
+            raw = stack.enter_context(open(path, "a", encoding="utf-8", buffering=1))  # noqa: SIM115
+            stack.enter_context(contextlib.redirect_stderr(raw))
+        try:
+            yield path
+        finally:
+            for lg in loggers:
+                lg.removeHandler(handler)
+            handler.close()
 
 
 def logs_dir(run_dir: Path) -> Path:
@@ -80,12 +98,12 @@ def logs_dir(run_dir: Path) -> Path:
 
 
 def bar(total: float, desc: str, unit: str = "it"):
-    """A tqdm bar on stderr when it is a terminal (removed when closed), else None."""
-    if not sys.stderr.isatty():
+    """A tqdm bar on the terminal (removed when closed), else None."""
+    if not terminal().isatty():
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, dynamic_ncols=True,
+    return tqdm(total=total, desc=desc, unit=unit, file=terminal(), leave=False, dynamic_ncols=True,
                 disable=False)  # NOTE: explicit: `llmpipe run` sets TQDM_DISABLE for libraries' own bars
 
 
@@ -101,7 +119,7 @@ class StepBar:
 
     def line(self, text: str) -> None:
         m = _STEP.match(text)
-        if m is None or not sys.stderr.isatty():
+        if m is None or not terminal().isatty():
             return
         step, total = int(m.group(1)), int(m.group(2))
         if self.bar is None:
