@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="llmpipe", description="LLaMA training-to-deployment pipeline.",
                                 usage="llmpipe [-h] COMMAND ...", formatter_class=argparse.RawDescriptionHelpFormatter)
     # the commands are listed by group in the description (_finish), not in argparse's flat list
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="llmpipe")
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("config", help="run config YAML, e.g. configs/tiny.yaml")

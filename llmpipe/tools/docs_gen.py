@@ -90,7 +90,9 @@ def _role(cls: type[config_mod.Section], name: str, dotted: str, inherited: str 
     extra = cls.model_fields[name].json_schema_extra
     added = " (added later: in the fingerprint only when not its default)" if isinstance(extra, dict) and \
         extra.get(config_mod.ADDED) else ""
-    return f"result of {', '.join(stages)}{added}" if stages else "result"
+    if not stages:  # `run`: a section only some of whose fields (run.seed) a stage hashes
+        return "see its fields" if _section_of(cls.model_fields[name].annotation) else "result"
+    return f"result of {', '.join(stages)}{added}"
 
 
 def _text(s: str | None) -> str:
