@@ -44,7 +44,7 @@ device-check: setup
 
 # the documentation site: regenerate the config and CLI references from the code, then build site/ (offline)
 docs: setup
-	$(PY) -m llmpipe.tools.docs_gen
+	$(PY) -m llmpipe.docs_gen
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 test: setup

@@ -17,10 +17,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from llmpipe import cli
+from llmpipe import cli, docs_gen
 from llmpipe import config as config_mod
 from llmpipe.errors import ConfigError
-from llmpipe.tools import docs_gen
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -39,7 +38,7 @@ def _nav_pages(node) -> list[str]:
 
 
 def test_the_generated_references_equal_what_the_code_generates_now():
-    assert docs_gen.stale(DOCS) == [], "run `make docs` (python -m llmpipe.tools.docs_gen) and commit the pages"
+    assert docs_gen.stale(DOCS) == [], "run `make docs` (python -m llmpipe.docs_gen) and commit the pages"
 
 
 def test_the_config_reference_lists_every_field_of_the_schema_with_its_role():
