@@ -8,7 +8,7 @@ export PREFECT_HOME ?= $(CURDIR)/.prefect
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 export PREFECT_LOGGING_EXTRA_LOGGERS ?= llmpipe
 
-.PHONY: setup demo chat-demo test lint bench clean-demo device-check
+.PHONY: setup demo chat-demo test lint bench clean-demo device-check docs
 
 setup: $(STAMP)
 
@@ -17,12 +17,13 @@ setup: $(STAMP)
 # after torch against it with the venv's setuptools (no build isolation) and without compiled ops (the
 # few it needs are JIT-built on first use, then cached).
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip setuptools wheel
-	$(PY) -m pip install --quiet "torch==2.13.0"
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
-	$(PY) -m pip install --quiet -e ".[dev]"
-	touch $(STAMP)
+	@echo "setup: installing into $(VENV) (once; again when pyproject.toml changes)"
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@$(PY) -m pip install --quiet --upgrade pip setuptools wheel
+	@$(PY) -m pip install --quiet "torch==2.13.0"
+	@DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed==0.19.8
+	@$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
 
 # extra arguments for llmpipe run, e.g.  make demo ARGS="--set train.compile=true"
 ARGS ?=
@@ -40,6 +41,11 @@ chat-demo: setup
 # rows that need the accelerator say why they were skipped
 device-check: setup
 	$(PY) benchmarks/device_check.py --json artifacts/device_check.json $(ARGS)
+
+# the documentation site: regenerate the config and CLI references from the code, then build site/ (offline)
+docs: setup
+	$(PY) -m llmpipe.docs_gen
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 test: setup
 	$(PY) -m pytest -q

@@ -4,8 +4,8 @@ process, side by side in one run, as ratios.
 
 It builds a run of the given flavor with random-init weights (speed does not depend on the values;
 the output rows of eos give logit 0, so every request generates exactly --new tokens): consolidate's and
-export_onnx's folders (prefill + static decoder), a tokenizer trained on this checkout's README. A fixed,
-seeded set of prompts (--prompt-tokens each, cut from the README) is sent by C client threads at
+export_onnx's folders (prefill + static decoder), a tokenizer trained on this checkout's docs/. A fixed,
+seeded set of prompts (--prompt-tokens each, cut from docs/) is sent by C client threads at
 concurrency C (each sends its next request when the last one ended), streamed (SSE) with usage:
 
     output tokens/s   completion tokens of all requests / wall time from the first send to the last end
@@ -134,7 +134,7 @@ def _median_rows(samples: list[dict]) -> dict:
 def main(argv: list[str] | None = None) -> None:
     a = parse_args(argv)
     levels = [int(c) for c in a.concurrency.split(",")]
-    text = (ROOT / "README.md").read_text()
+    text = "\n".join(p.read_text() for p in sorted((ROOT / "docs").rglob("*.md")))  # (the README's text moved here)
     with tempfile.TemporaryDirectory() as tmp:
         run = Path(tmp) / "bench"
         t = time.perf_counter()

@@ -10,6 +10,7 @@ failure re-executes the failed stage and what follows, nothing else.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from prefect import flow, get_run_logger
@@ -17,11 +18,13 @@ from prefect.artifacts import create_link_artifact, create_markdown_artifact
 
 import flows  # noqa: F401  (sets Prefect defaults before prefect is imported)
 from llmpipe import config as config_mod
-from llmpipe import stages, tracking
+from llmpipe import console, stages, tracking
 from llmpipe.lock import run_lock
 from llmpipe.preflight import check_before_run
 from llmpipe.tools import report
 from tasks.stages import TASKS
+
+log = logging.getLogger("llmpipe.flow")
 
 
 @flow(name="train-to-deploy", log_prints=True, retries=0)
@@ -34,16 +37,18 @@ def train_to_deploy(config: str, overrides: list[str] | None = None, run_name: s
     selected = stages.select(from_stage, only)
     check_before_run(cfg, selected, force or from_stage is not None, source=config)  # launch world size
     logger = get_run_logger()
-    logger.info("run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
+    console.show(log, "run %s -> %s: stages %s", cfg.run.name, cfg.run_dir(), ", ".join(selected))
     results: dict[str, Any] = {}
     completed = False
     try:
         with run_lock(cfg.run_dir()) as taken:  # one writer per run folder; stale locks are recognised
             if taken:  # no other attempt is writing: what interrupted ones left can go
                 stages.remove_stale_partials(cfg.run_dir())
-            for name in selected:
-                task = TASKS[name].with_options(retries=cfg.run.retries, retry_delay_seconds=cfg.run.retry_delay_s)
-                results[name] = task(config, overrides, force=force or from_stage is not None)
+            with console.log_to(console.logs_dir(cfg.run_dir()) / "run.log"):  # with Prefect's task-run lines
+                for name in selected:
+                    task = TASKS[name].with_options(retries=cfg.run.retries,
+                                                    retry_delay_seconds=cfg.run.retry_delay_s)
+                    results[name] = task(config, overrides, force=force or from_stage is not None)
         completed = True
     finally:
         path = report.write(cfg)

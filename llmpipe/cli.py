@@ -42,9 +42,62 @@ from llmpipe.config import STAGES, ConfigError
 ONNX_VARIANTS = ("torch", "fp32", "fp16", "int8", "int4", "int8w", "int8s", "om")
 
 
+# `llmpipe --help`, grouped by what a user does. A new command is one line here (its group and one example,
+# shown in its own --help) beside its add_parser; tests/unit/test_docs.py holds every command to a line and
+# parses every example.
+RUN, INSPECT, DEPLOY, TRACK, PLAN = ("run the pipeline", "inspect a run", "deploy and serve", "track and promote",
+                                     "plan and tune")
+COMMANDS: tuple[tuple[str, str, str], ...] = (
+    ("run", RUN, "llmpipe run configs/tiny.yaml --set train.max_steps=50"),
+    ("stage", RUN, "llmpipe stage export_onnx configs/tiny.yaml --force"),
+    ("synth-chat", RUN, "llmpipe synth-chat artifacts/chat_demo"),
+    ("status", INSPECT, "llmpipe status tiny"),
+    ("report", INSPECT, "llmpipe report tiny"),
+    ("generate", INSPECT, 'llmpipe generate tiny --prompt "def main(" --variant int8'),
+    ("clean", INSPECT, "llmpipe clean tiny --keep 1"),
+    ("serve", DEPLOY, "llmpipe serve tiny --variant int8 --port 8000"),
+    ("bench", DEPLOY, "llmpipe bench serve tiny --concurrency 1,4 --requests 16"),
+    ("track", TRACK, "llmpipe track tiny"),
+    ("promote", TRACK, "llmpipe promote tiny --alias production"),
+    ("runs", TRACK, "llmpipe runs"),
+    ("plan", PLAN, "llmpipe plan configs/llama7b_64dev.yaml"),
+    ("dryrun", PLAN, "llmpipe dryrun configs/llama7b_64dev.yaml --world-size 64"),
+    ("tune", PLAN, "llmpipe tune buckets configs/tiny.yaml --values 5,25 --steps 6"),
+)
+
+
+def _grouped(sub: argparse._SubParsersAction) -> str:
+    """The commands by group, each with its one-line help, for the top-level --help."""
+    import textwrap
+
+    helps = {a.dest: a.help or "" for a in sub._choices_actions}
+    lines = []
+    for group in dict.fromkeys(g for _, g, _ in COMMANDS):
+        lines.append(f"{group}:")
+        for name, g, _ in COMMANDS:
+            if g == group:
+                lines += textwrap.wrap(helps.get(name, ""), 100, initial_indent=f"  {name:<12}",
+                                       subsequent_indent=" " * 14)
+    return "\n".join(lines)
+
+
+def _finish(p: argparse.ArgumentParser, sub: argparse._SubParsersAction) -> None:
+    """Each command's --help ends with its example; the top-level --help lists the commands by group."""
+    examples = {name: example for name, _, example in COMMANDS}
+    for name, sp in sub.choices.items():
+        nested = [c for a in sp._actions if isinstance(a, argparse._SubParsersAction) for c in a.choices.values()]
+        for one in ([sp, *nested] if name in examples else []):  # bench serve, tune buckets: their command's
+            one.epilog = f"example:\n  {examples[name]}"
+            one.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.description = (f"{p.description}\n\n{_grouped(sub)}\n\n`llmpipe COMMAND --help`: a command's options and an "
+                     "example. Documentation: docs/ (docs/index.md).")
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="llmpipe", description="LLaMA training-to-deployment pipeline.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p = argparse.ArgumentParser(prog="llmpipe", description="LLaMA training-to-deployment pipeline.",
+                                usage="llmpipe [-h] COMMAND ...", formatter_class=argparse.RawDescriptionHelpFormatter)
+    # the commands are listed by group in the description (_finish), not in argparse's flat list
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", help=argparse.SUPPRESS, prog="llmpipe")
 
     def common(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("config", help="run config YAML, e.g. configs/tiny.yaml")
@@ -58,7 +111,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--from-stage", choices=STAGES, help="re-run this stage and every later one")
     run.add_argument("--only", help="comma-separated stages to run, e.g. export_onnx,benchmark")
     run.add_argument("--verbose", action="store_true",
-                     help="also print Prefect's tracebacks of a failed stage (always in the Prefect log)")
+                     help="print every log line on the terminal too (Prefect's task-run lines, each stage's detail, "
+                     "lm_eval's notices, tracebacks of a failed stage); always in <run>/logs/ and the Prefect UI")
 
     stage = sub.add_parser("stage", help="run one stage without Prefect")
     stage.add_argument("stage", choices=STAGES)
@@ -236,6 +290,7 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--arithmetic", type=int, default=2000, help="distinct arithmetic questions")
     synth.add_argument("--words", type=int, default=None, help="distinct made-up words (default: --arithmetic)")
     synth.add_argument("--val-fraction", type=float, default=0.1, help="share of questions held out")
+    _finish(p, sub)
     return p
 
 
@@ -336,6 +391,7 @@ def _run_flow(args: argparse.Namespace) -> int:
         from flows.console import quiet_engine_failures
 
         quiet_engine_failures()  # the one `error:` line instead of Prefect's tracebacks
+        _quiet_console()
     from flows.local_server import ServerError, prefect_api
 
     try:
@@ -347,6 +403,25 @@ def _run_flow(args: argparse.Namespace) -> int:
         raise StageError(str(err)) from None
     print(f"report: {cfg.run_dir() / 'report.html'}")
     return 0
+
+
+def _quiet_console() -> None:
+    """The terminal shows the stages' start and end lines, progress bars and the report's path; the rest
+    goes to <run>/logs/ and the Prefect UI (llmpipe.console). The libraries' own progress bars and
+    transformers' notices are switched off (set before the stages import them; a value already set wins)."""
+    from llmpipe import console
+
+    console.quiet_console()
+
+
+def _quiet_libraries() -> list[str]:
+    """Before anything imports tqdm (it reads TQDM_* when imported): the libraries' own progress bars off
+    (llmpipe's own pass disable=False), datasets' too, transformers' notices (a value already set wins).
+    Returns the variables it set, for main to unset when it returns (main may run inside another program)."""
+    quiet = {"TQDM_DISABLE": "1", "HF_DATASETS_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    added = [k for k in quiet if k not in os.environ]
+    os.environ.update({k: quiet[k] for k in added})
+    return added
 
 
 def _run_stage(args: argparse.Namespace) -> int:
@@ -453,6 +528,7 @@ def _on_sigterm(handler):
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    quieted = _quiet_libraries() if args.command == "run" and not args.verbose else []
     # NOTE: during a flow run Prefect swaps in its own SIGTERM handler (TerminationSignal: the flow run
     # is marked Crashed); when that unwinds it restores this one and sends SIGTERM again, which then
     # raises Terminated instead of killing the process where it stands.
@@ -519,6 +595,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {where + ': ' if where else ''}{cause[:1].lower() + cause[1:]}", file=sys.stderr)
         return 1
     finally:
+        for key in quieted:
+            os.environ.pop(key, None)
         if previous is not None:
             _on_sigterm(previous)
 

@@ -611,7 +611,7 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
     })
 
 
-# Defaults from measurement (benchmarks/quantize.py; see the README's "Quantised variants"). int4's ORT graph
+# Defaults from measurement (benchmarks/quantize.py; see docs/guides/deploy.md, "Quantised variants"). int4's ORT graph
 # (the builder's kernels): blocks of 128 decode the small flavor 1.30x / 1.10x (batch 1 / 8) as fast as blocks
 # of 32, at a KL of 4.7e-3 against 3.4e-3 and top-1 0.925 against 0.946 on the tiny demo (gate: 0.85).
 Int4Quant, Int8wQuant = _weight_only("int4", 4, 32, 4, 128), _weight_only("int8w", 8, 32, 4, None)
@@ -733,7 +733,7 @@ def _eval_gate(name: str, drop: float) -> Any:
     })
 
 
-# Defaults from measurement on the demo (README "Evaluation", 40 items per task): fp32, fp16 and int8 scored the
+# Defaults from measurement on the demo (docs/guides/evaluate.md, 40 items per task): fp32, fp16 and int8 scored the
 # reference's llmpipe_choice accuracy exactly (stderr 0.076), and moved bits per byte by 0.0000, 0.0000 and
 # -0.0007 (+0.0002 on another training of the same config). One item of 40 is 0.025: fp32 and fp16 may lose one
 # (a near-tie flipped by rounding), int8 two; every limit is far above the bits-per-byte movement seen.

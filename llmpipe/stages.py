@@ -33,7 +33,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from llmpipe import attempts
+from llmpipe import attempts, console
 from llmpipe.config import STAGES, RunConfig, operational_changes, result_section, section
 from llmpipe.errors import ConfigError, StageError, UserError
 from llmpipe.lock import run_lock
@@ -397,7 +397,7 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False,
         if status == "done":
             if manifest.fingerprint != fps[name]:
                 _record_adoption(spec, cfg, manifest, fps[name])
-            log.info("%s: up to date (fingerprint %s), skipped", name, fps[name][:12])
+            console.show(log, "%s: up to date (fingerprint %s), skipped", name, fps[name][:12])
             _record_operational_changes(spec, cfg, manifest)
             return manifest, False
         if status != "missing":
@@ -413,7 +413,9 @@ def run_stage(name: str, cfg: RunConfig, force: bool = False,
     with run_lock(run_dir) as taken:  # also removes a run folder it created, if the stage left it empty
         if taken:
             remove_stale_partials(run_dir)
-        return _execute(spec, cfg, fps, inputs, executor), True
+        # everything logged while it runs (Prefect's task-run lines, lm_eval's, the ranks'), appended
+        with console.log_to(console.logs_dir(run_dir) / f"{stage_dir(run_dir, name).name}.log"):
+            return _execute(spec, cfg, fps, inputs, executor), True
 
 
 def _injected_failure(name: str) -> None:
@@ -433,7 +435,7 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
     attempts.check_folders(run_dir)  # a symlinked superseded/ or failed/: refused before any work
     _prepare_partial(partial, fps[name], spec, run_dir)
     started, t0 = _now(), time.monotonic()
-    log.info("%s: running (fingerprint %s)", name, fps[name][:12])
+    console.show(log, "%s: running (fingerprint %s)", name, fps[name][:12])
     ctx = StageContext(cfg, name, run_dir, partial, inputs, fps[name], executor)
     try:
         _injected_failure(name)
@@ -468,7 +470,9 @@ def _execute(spec: StageSpec, cfg: RunConfig, fps: dict[str, str],
     _publish(partial, final, spec, run_dir)
     if spec.retention:
         attempts.prune_superseded(run_dir, final.name, section(cfg, spec.retention))
-    log.info("%s: %s in %.1fs -> %s", name, result.status, manifest.duration_s, final)
+    outcome = console.summary(name, result.metrics)  # (a skip's reason: the stage's own warning says it)
+    console.show(log, "%s: %s in %.1fs%s -> %s", name, result.status, manifest.duration_s,
+                 f" - {outcome}" if outcome else "", final)
     return manifest
 
 

@@ -22,7 +22,6 @@ import heapq
 import logging
 import os
 import shutil
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +31,7 @@ import numpy as np
 from tokenizers import Tokenizer
 from tqdm import tqdm
 
-from llmpipe import attempts
+from llmpipe import attempts, console
 from llmpipe.config import DataSection
 from llmpipe.data import units as unit_mod
 from llmpipe.data.chat import special_markers
@@ -63,7 +62,7 @@ def _human(n: float) -> str:
 def _show_progress() -> bool:
     """LLMPIPE_PROGRESS=1 forces the bar on (logs piped to a file), =0 off; otherwise only on a tty."""
     flag = os.environ.get("LLMPIPE_PROGRESS", "")
-    return flag == "1" if flag in ("0", "1") else sys.stderr.isatty()
+    return flag == "1" if flag in ("0", "1") else console.terminal().isatty()
 
 
 class Progress:
@@ -72,8 +71,8 @@ class Progress:
     def __init__(self, desc: str, total: float, unit: str, rate_of: str = "tokens"):
         self.desc, self.total, self.unit, self.rate_of = desc, total, unit, rate_of
         self.done, self.count, self.t0, self.last = 0.0, 0.0, time.monotonic(), time.monotonic()
-        self.bar = tqdm(total=total, unit=unit, desc=desc, file=sys.stderr, mininterval=0.5, dynamic_ncols=True,
-                        unit_scale=True) if _show_progress() else None
+        self.bar = tqdm(total=total, unit=unit, desc=desc, file=console.terminal(), mininterval=0.5, dynamic_ncols=True,
+                        unit_scale=True, disable=False) if _show_progress() else None  # (TQDM_DISABLE: libraries')
 
     def update(self, n: float, count: float = 0) -> None:
         self.done += n

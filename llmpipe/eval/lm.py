@@ -19,7 +19,6 @@ on a terminal, otherwise a log line every `progress_every_s` seconds.
 from __future__ import annotations
 
 import logging
-import sys
 import time
 from collections.abc import Callable, Sequence
 
@@ -27,6 +26,8 @@ import numpy as np
 from lm_eval import utils as lm_utils
 from lm_eval.api.model import TemplateLM
 from lm_eval.models.utils import handle_stop_sequences, postprocess_generated_text
+
+from llmpipe import console
 
 log = logging.getLogger("llmpipe.eval")
 
@@ -45,10 +46,10 @@ class Progress:
         self.label, self.total, self.every_s, self.done = label, total, every_s, 0
         self.t0 = self.last = time.monotonic()
         self.bar = None
-        if sys.stderr.isatty():
+        if console.terminal().isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, desc=label, leave=False)
+            self.bar = tqdm(total=total, desc=label, leave=False, disable=False, file=console.terminal())
 
     def update(self, n: int = 1) -> None:
         self.done += n

@@ -86,7 +86,7 @@ def check_tasks(specs: list[str | dict], manager) -> None:
             dataset = spec.get("dataset_path") if isinstance(spec, dict) else _dataset_of(manager, spec)
             raise EvalTaskError(f"evaluate.tasks: {name}: its dataset {dataset or '?'} could not be loaded offline "
                                 f"({type(err).__name__}: {_first_line(err)[:200]}); put it in the local Hugging "
-                                "Face cache first (README: Evaluation)") from None
+                                "Face cache first (docs/guides/evaluate.md)") from None
 
 
 def _dataset_of(manager, name: str) -> str | None:

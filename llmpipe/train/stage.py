@@ -10,8 +10,8 @@ from pathlib import Path
 
 import yaml
 
+from llmpipe import console, mfu
 from llmpipe import device as dev
-from llmpipe import mfu
 from llmpipe.checkpoint import io as ckpt
 from llmpipe.stages import StageContext, StageError, StageResult
 from llmpipe.train import launch, warm
@@ -101,8 +101,17 @@ def run(ctx: StageContext) -> StageResult:
         env["TORCHELASTIC_ERROR_FILE"] = str(agent_file)
     since = time.time()
     # torchrun's own messages and its 40-line ChildFailedError report go to a file, not the console
-    code, _ = run_streaming(argv, lambda line: log.info("%s", line), env=env,
-                            stderr_to=out / TORCHRUN_LOGS / stderr_log(cfg.train.node_rank))
+    steps = console.StepBar()  # a progress bar on a terminal, from rank 0's step lines
+
+    def on_line(line: str) -> None:
+        log.info("%s", line)
+        steps.line(line)
+
+    try:
+        code, _ = run_streaming(argv, on_line, env=env,
+                                stderr_to=out / TORCHRUN_LOGS / stderr_log(cfg.train.node_rank))
+    finally:
+        steps.close()
     if code != 0:
         raise failure(code, out / TORCHRUN_LOGS, agent_file, since)
     final = ckpt.latest_valid(out / "checkpoints")

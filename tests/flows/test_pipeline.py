@@ -223,6 +223,14 @@ def test_a_quality_gate_beyond_reach_fails_the_benchmark_then_the_relaxed_rerun_
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
     assert len(errors) == 1 and errors[0].startswith("error: benchmark: int8 fails its quality gate: "), errors
     assert "benchmark.quality.int8." in errors[0]
+    # The console (issue 38): a line per stage start and end, no Prefect task-run lines, no stage detail;
+    # the detail is in the stage's log and Prefect's lines in the run's.
+    console = out.stdout.splitlines() + out.stderr.splitlines()
+    assert [ln for ln in console if "Finished in state" in ln or " p50 " in ln] == []
+    assert len(console) <= 20, console
+    assert {"prepare_data: up to date", "benchmark: running"} <= {ln.split(" (")[0] for ln in console}
+    assert " p50 " in (run_dir / "logs" / "06_benchmark.log").read_text()
+    assert "Finished in state Completed()" in (run_dir / "logs" / "run.log").read_text()
     results = train_to_deploy(config=config, overrides=["benchmark.quality.int8.min_top1=0.5"])
     assert [s for s, r in results.items() if r["executed"]] == ["benchmark"]
 

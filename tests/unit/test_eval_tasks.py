@@ -105,7 +105,7 @@ def test_a_dataset_that_is_not_on_disk_fails_offline_in_one_line_naming_it(tmp_p
         check_tasks(specs, task_manager(plan))
     msg = str(err.value)
     assert msg.startswith("evaluate.tasks: hub_task: its dataset someone/not_downloaded could not be loaded offline ")
-    assert msg.endswith("put it in the local Hugging Face cache first (README: Evaluation)") and "\n" not in msg
+    assert msg.endswith("put it in the local Hugging Face cache first (docs/guides/evaluate.md)") and "\n" not in msg
 
 
 def test_an_unknown_task_name_is_one_line(tmp_path):

@@ -174,7 +174,8 @@ def test_no_import_circles_in_llmpipe():
 # The rooms from the bottom up: a module may import its own layer's and lower ones. A top-level
 # module is its own room (llmpipe.config -> "config"); a package's modules are its room.
 LAYERS = (
-    {"llmpipe", "errors", "device", "debug", "lock", "mfu", "optim", "manifest", "attempts"},  # kernel
+    {"llmpipe", "errors", "device", "debug", "lock", "mfu", "optim", "manifest", "attempts",  # kernel
+     "console"},  # what the terminal shows and the stage logs: logging and tqdm only
     {"chat"},  # the chat template (jinja2's sandbox) and conversation sets: text in, text out
     {"models"},  # the architecture and its Hugging Face names
     {"config"},  # the typed config tree
@@ -185,7 +186,7 @@ LAYERS = (
     # what is checked before a run (of the config alone, of this machine) or a deployment (the gates' verdicts)
     {"config_checks", "preflight", "verdicts"},
     {"tools", "tracking"},  # user tools outside the stages; MLflow, fed from the run folder
-    {"cli", "__main__"},
+    {"cli", "__main__", "docs_gen"},  # docs_gen: the references generated from the config and the parser
 )
 def test_the_chat_room_imports_only_the_errors_jinja2_and_the_standard_library():
     """llmpipe.chat renders untrusted templates for data, training, export and serving alike: nothing heavy."""
