@@ -292,6 +292,15 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
+    def _apply(self, fn, recurse=True):
+        # NOTE: moving off the meta device (to_empty) makes new Parameters, one per module; the head is tied
+        # again to the embedding's, as transformers' tie_weights does after loading.
+        out = super()._apply(fn, recurse)
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None \
+                and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return out
+
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, assign=None, source=None) -> None:
         """(Re)initialise every parameter and buffer in place; works after `to_empty` and on a
