@@ -189,8 +189,9 @@ class Adapter:
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise HFFolderError(f"{where}: sliding_window: expected a positive integer or null, got {window!r:.40}")
         types = c.get("layer_types")
-        if isinstance(types, list):
-            slides = "sliding_attention" in types
+        flag = " (use_sliding_window: true)" if self.window == "flag" else ""
+        if isinstance(types, list):  # transformers 5: each layer's kind spelled out
+            slides, flag = "sliding_attention" in types, " (layer_types: sliding_attention)"
         elif self.window == "flag":
             first = c.get("max_window_layers", self.defaults.get("max_window_layers", 0))
             slides = c.get("use_sliding_window", False) is True and (not isinstance(first, int)
@@ -198,7 +199,6 @@ class Adapter:
         else:
             slides = True
         if slides and window < args.max_seq_len:
-            flag = " (use_sliding_window: true)" if self.window == "flag" else ""
             raise HFFolderError(f"{where}: sliding_window: {window}{flag} is shorter than the model's max_seq_len "
                                 f"{args.max_seq_len}, and llmpipe's attention is full; set model.max_seq_len to at "
                                 f"most {window}")
