@@ -54,11 +54,11 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         # lookup and for its slice of the logits, and their gradients meet in one Shard(0) tensor.
         model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, model.args.qk_norm))
     return model
 
 
-def _block_plan(sequence_parallel: bool) -> dict:
+def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
     """One TransformerBlock's plan; the attention/MLP inputs are gathered when sequence parallel."""
     plan = {
         "attention.wq": ColwiseParallel(),
@@ -67,6 +67,13 @@ def _block_plan(sequence_parallel: bool) -> dict:
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
     }
+    if qk_norm:
+        # NOTE: Qwen3's q/k norms (one head_dim weight for every head) act on this rank's heads, (B, T, H/tp, hd):
+        # as sequence-parallel norms over the heads dim (torchtitan's Qwen3 plan) their weight is a Replicate
+        # DTensor, so its gradient, partial on each rank, is summed over tp (a plain tensor would keep only
+        # the local heads' share and drift apart between ranks).
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sequence_parallel:
         return {**plan, "attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
     gather = PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
