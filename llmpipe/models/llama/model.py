@@ -83,6 +83,11 @@ class ModelArgs:
 _OPTION_DEFAULTS = {"tie_embeddings": False, "attn_bias": False, "qk_norm": False}
 
 
+def option_defaults() -> dict:
+    """The family options ModelArgs.to_dict leaves out at these values (head_dim: None, dim // n_heads)."""
+    return {**_OPTION_DEFAULTS, "head_dim": None}
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
