@@ -111,7 +111,9 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
     Each block becomes one all-gather / reduce-scatter unit. Parameters become DTensors sharded on
     dim 0 over `mesh`; a materialised model is sharded in place (each rank keeps its slice of its
     own, identical, initialisation). `reshard_after_forward` applies to the blocks; the root keeps
-    FSDP2's default (None: not resharded), since backward needs the output head at once.
+    FSDP2's default (None: not resharded), since backward needs the output head at once. A tied head
+    (model.tie_embeddings) and the embedding are one Parameter in that one root unit: gathered once,
+    its gradient (both uses summed by autograd) reduce-scattered once.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():  # a checkpoint_wrapper, when activation checkpointing is on
