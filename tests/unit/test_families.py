@@ -243,3 +243,29 @@ def test_the_named_flavors_have_the_published_sizes():
     assert adapters.for_args(FLAVORS["qwen3-4b"]).architecture == "Qwen3ForCausalLM"
     assert adapters.for_args(FLAVORS["qwen2.5-3b"]).architecture == "Qwen2ForCausalLM"
     assert adapters.for_args(FLAVORS["smollm2-360m"]).architecture == "LlamaForCausalLM"
+
+
+def _tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, models
+
+    vocab = {f"t{i}": i for i in range(V - 1)} | {"<|endoftext|>": V - 1}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+
+
+def test_a_qwen_folder_is_checked_at_config_load_and_a_window_in_effect_refused_there(tmp_path):
+    from llmpipe import config as config_mod
+
+    folder, _ = _save("qwen2", tmp_path / "qwen2")
+    _tokenizer(folder)
+    tree = {"run": {"artifacts_dir": str(tmp_path / "a")}, "data": {"inputs": ["x/*.txt"], "seq_len": 32},
+            "model": {"init_from": str(folder)}}
+    assert config_mod.from_dict(tree).model.init_from == str(folder)  # config.json and weight headers read
+    c = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**c, "use_sliding_window": True, "sliding_window": 8,
+                                                    "max_window_layers": 0, "layer_types": None}))
+    with pytest.raises(config_mod.ConfigError) as err:
+        config_mod.from_dict(tree)
+    assert str(err.value).endswith(f"model.init_from: {folder / 'config.json'}: sliding_window: 8 "
+                                   "(use_sliding_window: true) is shorter than the model's max_seq_len 64, and "
+                                   "llmpipe's attention is full; set model.max_seq_len to at most 8")
+    assert hf.read_config(folder, 8)[0].max_seq_len == 8  # within the window it is full attention: read
