@@ -269,3 +269,15 @@ def test_a_qwen_folder_is_checked_at_config_load_and_a_window_in_effect_refused_
                                    "(use_sliding_window: true) is shorter than the model's max_seq_len 64, and "
                                    "llmpipe's attention is full; set model.max_seq_len to at most 8")
     assert hf.read_config(folder, 8)[0].max_seq_len == 8  # within the window it is full attention: read
+
+
+def test_the_builder_is_asked_only_for_a_family_it_knows(tmp_path):
+    from llmpipe.export import fused
+
+    for arch in adapters.ADAPTERS:
+        (tmp_path / "config.json").write_text(json.dumps({"architectures": [arch]}))
+        assert fused.unsupported_family(tmp_path) is None, arch
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Gemma3ForCausalLM"]}))
+    assert fused.unsupported_family(tmp_path) == (
+        "onnxruntime-genai's builder does not know Gemma3ForCausalLM (LlamaForCausalLM, MistralForCausalLM, "
+        "Qwen2ForCausalLM, Qwen3ForCausalLM)")
