@@ -86,6 +86,7 @@ def test_each_family_reads_as_the_decoder_options_it_has(family):
     assert {k: getattr(mine.args, k) for k in expected} == expected
     assert sum(p.numel() for p in mine.parameters()) == source.num_parameters() == mine.args.num_params()
     assert (mine.output.weight is mine.tok_embeddings.weight) == expected["tie_embeddings"]
+    assert hf.param_shapes(mine.args) == {n: tuple(p.shape) for n, p in mine.named_parameters()}
 
 
 def test_llmpipe_logits_equal_transformers_on_the_source_within_1e_5(family):
