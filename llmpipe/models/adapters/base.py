@@ -223,8 +223,9 @@ class Adapter:
         if source is not None:
             cfg.update({k: source[k] for k in CARRIED if k in source})
             if "rope_parameters" in source:  # transformers 5's spelling holds theta and type itself
-                cfg.pop("rope_theta", None)
-                cfg.pop("rope_scaling", None)
+                for key in ("rope_theta", "rope_scaling"):
+                    if key not in source:
+                        cfg.pop(key, None)
         dtype_key = "dtype" if source is not None and "dtype" in source and "torch_dtype" not in source \
             else "torch_dtype"
         cfg[dtype_key] = torch_dtype
