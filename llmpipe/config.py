@@ -158,7 +158,8 @@ class DataSection(Section):
 
 
 class ModelSection(Section):
-    flavor: str = Res("tiny", description="Named architecture in llmpipe.models.llama.flavors.")
+    flavor: str = Res("tiny", description="Named architecture in llmpipe.models.llama.flavors (debug ... llama-70b, "
+                      "and the published qwen3-*, qwen2.5-*, llama3.2-*, smollm2-* sizes).")
     dim: int | None = Res(None, ge=8, le=MODEL_LIMITS["dim"], description="Override: hidden size.")
     n_layers: int | None = Res(None, ge=1, le=MODEL_LIMITS["n_layers"], description="Override: transformer blocks.")
     n_heads: int | None = Res(None, ge=1, le=MODEL_LIMITS["n_heads"], description="Override: attention heads.")
@@ -170,10 +171,11 @@ class ModelSection(Section):
                                   "sequence (RoPE table).")
     rope_theta: float | None = Res(None, gt=0, allow_inf_nan=False, description="Override: RoPE base.")
     norm_eps: float | None = Res(None, gt=0, allow_inf_nan=False, description="Override: RMSNorm epsilon.")
-    init_from: str | None = Res(None, description="A Hugging Face LLaMA-family folder (LlamaForCausalLM or "
-                                "MistralForCausalLM: config.json, safetensors, tokenizer.json) to start from: its "
-                                "config defines the architecture (flavor and overrides other than max_seq_len are "
-                                "not used), its weights are loaded, its tokenizer.json is the run's tokenizer.")
+    init_from: str | None = Res(None, description="A Hugging Face folder (LlamaForCausalLM, MistralForCausalLM, "
+                                "Qwen2ForCausalLM or Qwen3ForCausalLM: config.json, safetensors, tokenizer.json) to "
+                                "start from: its config defines the architecture (flavor and overrides other than "
+                                "max_seq_len are not used), its weights are loaded, its tokenizer.json is the run's "
+                                "tokenizer; consolidate's hf/ comes out as the same family. docs/guides/models.md.")
 
 
 class ParallelSection(Section):

@@ -50,8 +50,10 @@ class Peak:
 def flops_per_token(args, seq_len: int) -> float:
     """Training FLOPs per token of a LLaMA `ModelArgs`: 6N (forward 2N + backward 4N) over the
     non-embedding parameters N (the output head counts, the embedding lookup does not) plus the
-    attention scores and values, 12 * L * d * T (PaLM's appendix B; Chinchilla's 6N + attention)."""
-    return 6 * args.num_params(embeddings=False) + 12 * args.n_layers * args.dim * seq_len
+    attention scores and values, 12 * L * d * T (PaLM's appendix B; Chinchilla's 6N + attention), d being the
+    attention's width, n_heads * head_dim (the hidden size but where head_dim is set apart, as Qwen3's)."""
+    width = args.n_heads * getattr(args, "head_dim", args.dim // args.n_heads)
+    return 6 * args.num_params(embeddings=False) + 12 * args.n_layers * width * seq_len
 
 
 def mfu(tokens_per_s: float, flops_per_token: float, peak_flops: float | None) -> float | None:

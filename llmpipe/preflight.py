@@ -79,6 +79,14 @@ def check_resume(cfg: RunConfig) -> None:
         return
     recorded = _recorded_model(Path(r))
     mine = config_checks.config_model_args(cfg).to_dict()
+    # NOTE: to_dict leaves the family options out at their defaults (a model made before they existed records
+    # none): a side without one has the default, so a tied checkpoint and an untied config still differ
+    from llmpipe.models.llama.model import option_defaults
+
+    for key, default in option_defaults().items():
+        if key in mine or key in recorded:
+            mine.setdefault(key, default)
+            recorded.setdefault(key, default)
     differ = [f"{k} {recorded[k]!r} (config {mine[k]!r})" for k in mine
               if k != "vocab_size" and k in recorded and recorded[k] != mine[k]]
     if differ:

@@ -32,6 +32,8 @@ from llmpipe import device as dev
 from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.models.llama import io as model_io
 
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"  # as checkpoint.state's (no import: a circle)
+
 TAG = "deepspeed"  # DeepSpeed's tag folder inside each llmpipe checkpoint folder; `latest` names it too
 REMAP_BYTES = 64 << 20
 _OPTIM_RE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")  # bf16_: bf16 runs
@@ -248,7 +250,10 @@ def _tensor_specs(layout: Layout, dtype: torch.dtype) -> dict[str, tuple[str, tu
     """name -> (the stored tensor it comes from, shape, output dtype), for parameters, tied aliases
     and persistent buffers (integer buffers keep their dtype)."""
     specs = {n: (n, tuple(s), dtype) for n, s in {**layout.shapes, **layout.frozen}.items()}
-    specs.update({alias: specs[src] for alias, src in layout.aliases.items() if src in specs})
+    # NOTE: a tied head (DeepSpeed records output.weight as shared with tok_embeddings.weight) is written
+    # once, as every llmpipe format keeps it (llmpipe.checkpoint.state)
+    specs.update({alias: specs[src] for alias, src in layout.aliases.items()
+                  if src in specs and (alias, src) != (HEAD, EMBEDDING)})
     specs.update({n: (n, tuple(b.shape), dtype if b.is_floating_point() else b.dtype)
                   for n, b in layout.buffers.items()})
     return dict(sorted(specs.items()))

@@ -11,7 +11,9 @@ Memory follows what llmpipe keeps per device (AdamW, fp32 moments):
          state); the adapters (rank x (in + out) per targeted layer) count all of the above, and the
          step temporaries, unsharded gradients and gradient buffers are the adapters' size.
 tp divides the matrices (not the norms); pp gives each rank its stage's layers, the embedding to the
-first stage and the final norm and head to the last. Besides model states: `working` copies (bf16 casts of
+first stage and the final norm and head to the last. A tied head (model.tie_embeddings) is the embedding:
+counted once (parameters, memory, and the 6N of FLOPs, where the head's matmul counts once either way),
+and once on each of the two pipeline stages that hold a copy. Besides model states: `working` copies (bf16 casts of
 the weights, FSDP/ZeRO-3 gathered units, FSDP's unsharded gradients while accumulating), activations and
 communication buffers. precision auto is planned as bf16 (what it means on an accelerator).
 
@@ -209,7 +211,8 @@ class StageParams:
     block: int  # one transformer block: matrices / tp + its two norms
     block_norms: int  # of `block`, the norm weights (never tp-split, never autocast)
     embedding: int  # first stage only
-    head: int  # last stage only: output matrix / tp + final norm
+    head: int  # last stage only: output matrix / tp + final norm (a tied head on the embedding's stage: the norm)
+    head_matmul: int = 0  # the head's matrix / tp that its matmul reads (tied or not), on the last stage
 
     @property
     def total(self) -> int:
@@ -218,17 +221,26 @@ class StageParams:
 
 def stage_params(args: ModelArgs, tp: int = 1, pp: int = 1, virtual_stages: int = 1,
                  split_points: list[int] | tuple[int, ...] | None = None) -> list[StageParams]:
-    """StageParams of each pipeline rank, from the model's shapes (the dry run's DTensor shards agree)."""
+    """StageParams of each pipeline rank, from the model's shapes (the dry run's DTensor shards agree). A tied
+    head (model.tie_embeddings) is the embedding: counted once where one rank holds both, and once on each of
+    the first and last pipeline stages, which each hold a copy (llmpipe.parallel.tied)."""
     d, hd = args.dim, args.head_dim
-    matrices = d * args.n_heads * hd * 2 + d * args.n_kv_heads * hd * 2 + 3 * d * args.ffn_dim
+    q, kv = args.n_heads * hd, args.n_kv_heads * hd
+    matrices = d * q * 2 + d * kv * 2 + 3 * d * args.ffn_dim
+    # q/k/v biases are split with their columns; the q/k norms (head_dim each) are replicated like the block norms
+    split = matrices + ((q + 2 * kv) if args.attn_bias else 0)
+    norms = 2 * d + (2 * hd if args.qk_norm else 0)
     n_stages = pp * virtual_stages
     splits = pipeline.split_layers(args.n_layers, n_stages, list(split_points) if split_points else None)
-    out = []
+    out, table = [], args.vocab_size * d // tp
     for r in range(pp):
         ids = pipeline.stage_ids(r, pp, virtual_stages)
-        out.append(StageParams(layers=sum(len(splits[s]) for s in ids), block=matrices // tp + 2 * d, block_norms=2 * d,
-                               embedding=args.vocab_size * d // tp if 0 in ids else 0,
-                               head=args.vocab_size * d // tp + d if n_stages - 1 in ids else 0))
+        first, last = 0 in ids, n_stages - 1 in ids
+        shared = args.tie_embeddings and first  # the head is this stage's embedding
+        out.append(StageParams(layers=sum(len(splits[s]) for s in ids), block=split // tp + norms, block_norms=norms,
+                               embedding=table if first else 0,
+                               head=(0 if shared else table) + d if last else 0,
+                               head_matmul=table if last else 0))
     return out
 
 
@@ -271,7 +283,7 @@ def _adapters(s: Setup, st: StageParams) -> int:
 def _working_bytes(s: Setup, st: StageParams) -> int:
     half = not s.fp32
     if s.data == "ddp" and s.tp * s.pp == 1:  # torch DDP: autocast caches bf16 casts of the matrices
-        matrices = st.layers * (st.block - st.block_norms) + (st.head - s.args.dim if st.head else 0)
+        matrices = st.layers * (st.block - st.block_norms) + st.head_matmul  # the head's cast, tied or not
         return 2 * matrices if half else 0  # (the cache lives until forward ends, beside the activations)
     if s.data == "ddp":  # replicate (FSDP2 machinery): bf16 copies of all parameters, kept forward to backward
         return 2 * st.total if half else 0

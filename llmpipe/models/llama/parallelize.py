@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmpipe.models.llama.model import Transformer
+from llmpipe.models.llama.model import Transformer, init_tensor
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Transformer:
@@ -47,12 +47,18 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
     if root:
         parallelize_module(model, tp_mesh, root)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # NOTE: each style above distributes its own module's weight, which unties the head. Both are the
+        # [vocab, dim] matrix sharded on dim 0 (Shard(0): the embedding's rows by vocabulary, the head's
+        # output columns), so the one DTensor serves both: each rank holds the same vocab slice for the
+        # lookup and for its slice of the logits, and their gradients meet in one Shard(0) tensor.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(sequence_parallel, model.args.qk_norm))
     return model
 
 
-def _block_plan(sequence_parallel: bool) -> dict:
+def _block_plan(sequence_parallel: bool, qk_norm: bool = False) -> dict:
     """One TransformerBlock's plan; the attention/MLP inputs are gathered when sequence parallel."""
     plan = {
         "attention.wq": ColwiseParallel(),
@@ -61,6 +67,13 @@ def _block_plan(sequence_parallel: bool) -> dict:
         "feed_forward.w1": ColwiseParallel(),
         "feed_forward.w3": ColwiseParallel(),
     }
+    if qk_norm:
+        # NOTE: Qwen3's q/k norms (one head_dim weight for every head) act on this rank's heads, (B, T, H/tp, hd):
+        # as sequence-parallel norms over the heads dim (torchtitan's Qwen3 plan) their weight is a Replicate
+        # DTensor, so its gradient, partial on each rank, is summed over tp (a plain tensor would keep only
+        # the local heads' share and drift apart between ranks).
+        plan["attention.q_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
+        plan["attention.k_norm"] = SequenceParallel(sequence_dim=2, use_local_output=True)
     if not sequence_parallel:
         return {**plan, "attention.wo": RowwiseParallel(), "feed_forward.w2": RowwiseParallel()}
     gather = PrepareModuleInput(input_layouts=(Shard(1), None, None), desired_input_layouts=(Replicate(), None, None))
@@ -98,7 +111,9 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype | 
     Each block becomes one all-gather / reduce-scatter unit. Parameters become DTensors sharded on
     dim 0 over `mesh`; a materialised model is sharded in place (each rank keeps its slice of its
     own, identical, initialisation). `reshard_after_forward` applies to the blocks; the root keeps
-    FSDP2's default (None: not resharded), since backward needs the output head at once.
+    FSDP2's default (None: not resharded), since backward needs the output head at once. A tied head
+    (model.tie_embeddings) and the embedding are one Parameter in that one root unit: gathered once,
+    its gradient (both uses summed by autograd) reduce-scattered once.
     """
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     for block in model.layers.values():  # a checkpoint_wrapper, when activation checkpointing is on
@@ -141,5 +156,17 @@ def _assign_local_shard(param: torch.Tensor, full: torch.Tensor) -> None:
 def init_weights(model: Transformer, seed: int, source=None) -> None:
     """Initialise a (possibly tensor-parallel, FSDP-sharded, pipeline-cut) model after `to_empty`:
     each rank fills its shards of the same full tensors a single process would draw, or that
-    `source(name)` reads (pretrained weights, one tensor at a time)."""
-    model.init_weights(seed, assign=_assign_local_shard, source=source)
+    `source(name)` reads (pretrained weights, one tensor at a time). A pipeline's last stage holding
+    a tied head without the embedding starts its copy from the embedding's value."""
+    model.init_weights(seed, assign=_assign_local_shard, source=tied_source(model, seed, source))
+
+
+def tied_source(model: Transformer, seed: int | None, source=None):
+    """`source`, or for a last pipeline stage whose head is tied (its copy of the embedding, which the
+    first stage holds) a source that reads `tok_embeddings.weight` for `output.weight`."""
+    if not (model.args.tie_embeddings and model.tok_embeddings is None and model.output is not None):
+        return source
+    shapes = {n.replace("_checkpoint_wrapped_module.", ""): tuple(p.shape) for n, p in model.named_parameters()}
+    shapes["tok_embeddings.weight"] = shapes["output.weight"]  # [vocab, dim] both
+    base = source or (lambda name: init_tensor(model.args, name, shapes[name], seed))
+    return lambda name: base("tok_embeddings.weight" if name == "output.weight" else name)
