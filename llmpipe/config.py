@@ -443,20 +443,34 @@ class ClusterSection(Section):
                                   "image or runtime mounts it.")
     queue: str = Op("default", description="Kubernetes, AscendJob: the Volcano queue.")
 
-    @model_validator(mode="after")
-    def _values(self) -> ClusterSection:
-        if self.time is not None and not SLURM_TIME_RE.match(self.time):
-            raise ValueError(f"time: {self.time!r} is not a Slurm time (minutes, h:m:s or d-h:m:s)")
-        bad = [k for k in self.env if not ENV_NAME_RE.match(k)]
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, v: str | None) -> str | None:
+        if v is not None and not SLURM_TIME_RE.match(v):
+            raise ValueError("not a Slurm time (minutes, h:m:s or d-h:m:s)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not ENV_NAME_RE.match(k)]
         if bad:
-            raise ValueError(f"env: {bad[0]!r} is not an environment variable name")
-        for name in ("namespace", "volume_claim"):
-            value = getattr(self, name)
-            if value is not None and not K8S_NAME_RE.match(value):
-                raise ValueError(f"{name}: {value!r} is not a Kubernetes name (lower-case letters, digits, '-')")
-        if self.shared_dir is not None and not self.shared_dir.startswith("/"):
-            raise ValueError(f"shared_dir: {self.shared_dir!r} must be an absolute path")
-        return self
+            raise ValueError(f"{bad[0]!r} is not an environment variable name")
+        return v
+
+    @field_validator("namespace", "volume_claim")
+    @classmethod
+    def _k8s_name(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_NAME_RE.match(v):
+            raise ValueError("not a Kubernetes name (lower-case letters, digits, '-')")
+        return v
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path (the folder on the nodes)")
+        return v
 
 
 class TrainSection(Section):

@@ -18,8 +18,8 @@ import yaml
 
 from llmpipe import config as config_mod
 from llmpipe import preflight, stages
-from llmpipe.manifest import Manifest
 from llmpipe.errors import ConfigError, StageError
+from llmpipe.manifest import Manifest
 from llmpipe.train import cluster
 from tests import slurm_host
 from tests.integration.test_faults import _config, _wait_for_step
@@ -116,15 +116,16 @@ def test_a_partition_that_does_not_exist_is_one_line_before_anything_trains(slur
 
 
 def test_an_artifacts_folder_the_nodes_do_not_share_is_one_line_and_the_job_is_cancelled(slurm, tmp_path):
-    # the nodes look for the run folder at shared_dir, which is another folder than the stage's
+    # the nodes see the run folder at shared_dir: another folder than the stage's, laid out the same
     elsewhere = tmp_path / "elsewhere"
     cfg = config_mod.load(_slurm_config(tmp_path, "unshared", shared_dir=str(elsewhere), marker_timeout_s=5))
     stages.run_stage("prepare_data", cfg)
+    partial = stages.partial_dir(cfg.run_dir(), "train")
+    (elsewhere / "unshared" / partial.name / cluster.FOLDER).mkdir(parents=True)  # where sbatch writes its output
     with pytest.raises(StageError) as info:
         stages.run_stage("train", cfg)
-    partial = stages.partial_dir(cfg.run_dir(), "train")
     assert str(info.value) == (f"train.cluster.shared_dir: node(s) 0 of 1 wrote no marker into "
                                f"{elsewhere}/unshared/{partial.name} within 5 s: the artifacts folder is not shared "
                                "with every node (set train.cluster.shared_dir to its path on the nodes)")
-    assert not (partial / "checkpoints").exists()  # nothing trained
+    assert not list((elsewhere / "unshared" / partial.name).glob("checkpoints/*"))  # nothing trained
     assert slurm.squeue() == []

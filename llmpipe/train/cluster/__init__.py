@@ -191,3 +191,37 @@ def check(cfg) -> None:
         from llmpipe.train.cluster import kubernetes
 
         kubernetes.check(cfg)
+
+
+def planned_world(cfg, world_size: int | None) -> int | None:
+    """The world size `llmpipe plan` and `llmpipe dryrun` size for: --world-size, or under a scheduler
+    the job's (train.nodes x train.nproc_per_node); a --world-size other than the job's is refused."""
+    t = cfg.train
+    if t.launcher == "local":
+        return world_size
+    launched = t.nodes * t.nproc_per_node
+    if world_size is not None and world_size != launched:
+        from llmpipe.errors import ConfigError
+
+        raise ConfigError(f"--world-size {world_size}, but train.launcher {t.launcher} starts train.nodes {t.nodes} "
+                          f"x train.nproc_per_node {t.nproc_per_node} = {launched} processes")
+    return launched
+
+
+def describe(cfg) -> str:
+    """The job description the train stage would submit for `cfg` (its paths as they will be; a
+    Kubernetes job's name without the per-attempt suffix): the sbatch script or the manifest's YAML."""
+    from llmpipe import stages
+
+    run_dir = cfg.run_dir()
+    out = stages.partial_dir(run_dir, "train")
+    j = job(cfg, out / "config.yaml", stages.stage_dir(run_dir, "prepare_data"), out)
+    if cfg.train.launcher == "slurm":
+        from llmpipe.train.cluster import slurm
+
+        return slurm.batch_script(j)
+    import yaml
+
+    from llmpipe.train.cluster import kubernetes
+
+    return yaml.safe_dump(kubernetes.manifest(j), sort_keys=False)

@@ -9,6 +9,7 @@ The artifacts folder is a ReadWriteMany claim (train.cluster.volume_claim) mount
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 import uuid
@@ -46,7 +47,7 @@ def _mount(j: Job) -> tuple[list[dict], list[dict]]:
     claim = j.cluster.volume_claim
     if not claim:
         return [], []
-    root = j.cluster.shared_dir or str(Path(j.out).parents[2])  # out = <artifacts>/<run>/<partial>
+    root = j.cluster.shared_dir or str(Path(j.out).parents[1])  # out = <artifacts>/<run>/<partial>
     return ([{"name": VOLUME, "persistentVolumeClaim": {"claimName": claim}}],
             [{"name": VOLUME, "mountPath": root}])
 
@@ -80,12 +81,12 @@ def trainjob(j: Job, job_id: str) -> dict:
 
 def _replica(j: Job, n: int, container: dict, labels: dict | None = None) -> dict:
     volumes, _ = _mount(j)
-    pod: dict = {"containers": [container]}
+    pod: dict = {"containers": [copy.deepcopy(container)]}  # each replica its own (no YAML anchors)
     if volumes:
         pod["volumes"] = volumes
     template: dict = {"spec": pod}
     if labels:
-        template["metadata"] = {"labels": labels}
+        template["metadata"] = {"labels": dict(labels)}
     return {"replicas": n, "restartPolicy": "Never", "template": template}
 
 

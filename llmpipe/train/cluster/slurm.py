@@ -164,6 +164,12 @@ def _follow(cfg, j: Job, job_id: str, out: Path, log) -> dict:
         if st in DONE and not (st == "PREEMPTED" and j.cluster.requeue):  # requeued: it comes back
             for line in tail.lines():
                 log.info("%s", line)
+            if not gate.open:  # it ended before every node reported: did its output even reach this folder?
+                raise StageError(f"Slurm job {job_id} ended {st} (exit {code or '?'}) before node(s) "
+                                 f"{', '.join(map(str, cluster.missing_markers(folder, job_id, j.nodes)))} wrote a "
+                                 f"marker into {j.out}; its output {tail.path} is "
+                                 + ("there" if tail.path.is_file() else "not in this folder: the artifacts folder is "
+                                    "not shared with every node (train.cluster.shared_dir)"))
             if st != "COMPLETED":
                 raise StageError(f"Slurm job {job_id} ended {st} (exit {code or '?'}); its output: "
                                  f"{tail.path}", transient=st in ("NODE_FAIL", "PREEMPTED", "BOOT_FAIL"))
