@@ -171,3 +171,15 @@ def test_the_planner_sizes_the_jobs_world_and_refuses_another(tmp_path):
     few = _recipe(tmp_path, "train.launcher=slurm", "train.nodes=4")
     with pytest.raises(Exception, match="32"):  # dp8 x tp4 x pp2 = 64 on 4 x 8 = 32 processes
         plan.plan(few)
+
+
+def test_prefect_yaml_s_cluster_deployments_load_their_config_with_the_launcher_and_the_8_x_8_world(tmp_path):
+    spec = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    found = {d["name"]: d for d in spec["deployments"] if d["name"].startswith("cluster-")}
+    assert {name: d["work_pool"]["name"] for name, d in found.items()} == {
+        "cluster-slurm": "llmpipe-login", "cluster-kubernetes": "llmpipe-k8s"}
+    for name, d in found.items():
+        overrides = [o for o in d["parameters"]["overrides"] if not o.startswith("run.artifacts_dir=")]
+        cfg = config_mod.load(ROOT / d["parameters"]["config"], [*overrides, f"run.artifacts_dir={tmp_path}"])
+        assert cfg.train.launcher == name.removeprefix("cluster-")
+        assert plan.plan(cfg).world_size == 64
