@@ -76,6 +76,8 @@ def check_layout(cfg, data_dir: Path) -> None:
 def calibrate_cpu(cfg) -> None:
     """Measure this machine's CPU GEMM peak for MFU once, here, before the ranks start: they find it in
     the artifacts folder's cache instead of each measuring while the others start up."""
+    if cfg.train.launcher != "local":  # the ranks run on other machines
+        return
     device = dev.resolve(cfg.run.device)
     if device.type != "cpu" or cfg.train.peak_tflops is not None:
         return
