@@ -43,16 +43,16 @@ def slurm_conf(root: Path, host: str, cpus: int = 2) -> str:
     ctld, slurmd = _free_port(), _free_port()
     return "\n".join([
         "ClusterName=llmpipe-test", "SlurmctldHost=localhost", f"SlurmctldPort={ctld}", f"SlurmdPort={slurmd}",
-        # NOTE: cred_expire also delays a requeued job's start (Slurm's default: 120 s); 10 s here
+        # NOTE: cred_expire also delays a requeued job's start (Slurm's default: 120 s); 5 s here (its least)
         "SlurmUser=root", "SlurmdUser=root", "AuthType=auth/munge",
-        f"AuthInfo=socket={root / 'munge.sock'},cred_expire=10",
+        f"AuthInfo=socket={root / 'munge.sock'},cred_expire=5",
         f"StateSaveLocation={root / 'ctld'}", f"SlurmdSpoolDir={root / 'slurmd'}",
         f"SlurmctldPidFile={root / 'slurmctld.pid'}", f"SlurmdPidFile={root / 'slurmd.pid'}",
         f"SlurmctldLogFile={root / 'slurmctld.log'}", f"SlurmdLogFile={root / 'slurmd.log'}",
         "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "JobAcctGatherType=jobacct_gather/none",
         "AccountingStorageType=accounting_storage/none", "SelectType=select/cons_tres",
         # sched_interval: a requeued job waits for the periodic pass (Slurm's default: every 60 s)
-        "SelectTypeParameters=CR_CPU", "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=2",
+        "SelectTypeParameters=CR_CPU", "SchedulerType=sched/builtin", "SchedulerParameters=sched_interval=1",
         "MpiDefault=none",
         "ReturnToService=2", "SlurmctldTimeout=30", "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5",
         "MinJobAge=600", "JobRequeue=1",

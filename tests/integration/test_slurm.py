@@ -6,10 +6,12 @@ not share is one line before anything trains. Skipped, saying why, where Slurm i
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +21,6 @@ import yaml
 from llmpipe import config as config_mod
 from llmpipe import preflight, stages
 from llmpipe.errors import ConfigError, StageError
-from llmpipe.manifest import Manifest
 from llmpipe.train import cluster
 from tests import slurm_host
 from tests.integration.test_faults import _config, _wait_for_step
@@ -47,7 +48,7 @@ def _slurm_config(tmp_path: Path, name: str, **cluster_settings) -> Path:
     """test_faults' tiny two-rank run with launcher slurm; `cluster_settings` override train.cluster."""
     path = _config(tmp_path, name)
     tree = yaml.safe_load(path.read_text())
-    tree["train"].update({"max_steps": 60, "checkpoint": {"every_steps": 4, "keep_last": 20}, "launcher": "slurm",
+    tree["train"].update({"max_steps": 40, "checkpoint": {"every_steps": 4, "keep_last": 20}, "launcher": "slurm",
                           "cluster": {"accelerator": "cpu", "poll_s": 0.3, "time": "10",
                                       "partition": slurm_host.PARTITION, **cluster_settings}})
     path.write_text(yaml.safe_dump(tree))
@@ -69,20 +70,28 @@ def _wait_for(predicate, what: str, timeout: float = 120) -> None:
 
 
 def test_a_requeued_slurm_job_resumes_from_the_newest_verified_checkpoint_and_the_stage_ends_with_it(
-        slurm, tmp_path):
-    path = _slurm_config(tmp_path, "requeue")
-    cfg = config_mod.load(path)
+        slurm, tmp_path, caplog):
+    cfg = config_mod.load(_slurm_config(tmp_path, "requeue"))
     stages.run_stage("prepare_data", cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "llmpipe", "stage", "train", str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result: dict = {}
+
+    def train() -> None:
+        try:
+            result["manifest"] = stages.run_stage("train", cfg)[0]
+        except BaseException as err:  # handed to the test's thread
+            result["error"] = err
+
+    caplog.set_level(logging.INFO, logger="llmpipe")
+    stage = threading.Thread(target=train)
+    stage.start()
     partial = stages.partial_dir(cfg.run_dir(), "train")
-    _wait_for_step(partial / "metrics.jsonl", 9)
+    _wait_for_step(partial / "metrics.jsonl", 9)  # checkpoints at steps 4 and 8 are written
     job_id = _record(cfg)["job_id"]
     subprocess.run(["scontrol", "requeue", job_id], check=True, env=slurm.env)
-    output, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, output[-3000:]
-    assert f"Slurm job {job_id} runs again (requeued)" in output
-    manifest = Manifest.load(stages.stage_dir(cfg.run_dir(), "train"))
+    stage.join(timeout=240)
+    assert not stage.is_alive() and "error" not in result, result.get("error")
+    assert f"Slurm job {job_id} runs again (requeued)" in caplog.text
+    manifest = result["manifest"]
     assert manifest.metrics["slurm_job"] == job_id and manifest.metrics["requeued"] == 1
     assert manifest.metrics["resumed_from"] >= 8 and manifest.metrics["resumed_from"] % 4 == 0
     script = (stages.stage_dir(cfg.run_dir(), "train") / cluster.FOLDER / "job.sbatch").read_text()
