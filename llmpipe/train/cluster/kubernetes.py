@@ -17,8 +17,8 @@ from pathlib import Path
 
 from llmpipe import device as dev
 from llmpipe.errors import ConfigError, StageError
-from llmpipe.train import cluster
-from llmpipe.train.cluster import Job
+from llmpipe.train.cluster import spec
+from llmpipe.train.cluster.spec import Job
 
 # (apiVersion, kind, plural) of each job kind
 KINDS = {"trainjob": ("trainer.kubeflow.org/v1alpha1", "TrainJob", "trainjobs"),
@@ -54,7 +54,7 @@ def _mount(j: Job) -> tuple[list[dict], list[dict]]:
 
 def _container(j: Job, name: str, scheduler: str, job_id: str) -> dict:
     volumes, mounts = _mount(j)
-    c = {"name": name, "image": j.cluster.image, "command": cluster.node_argv(j, scheduler, job_id), "env": _env(j)}
+    c = {"name": name, "image": j.cluster.image, "command": spec.node_argv(j, scheduler, job_id), "env": _env(j)}
     if _resources(j):
         c["resources"] = _resources(j)
     if mounts:
@@ -65,18 +65,18 @@ def _container(j: Job, name: str, scheduler: str, job_id: str) -> dict:
 def trainjob(j: Job, job_id: str) -> dict:
     """Kubeflow Trainer v2: numNodes pods of the runtime (torch-distributed), each running the node entry;
     the claim mounted through a runtime patch of its "node" job."""
-    trainer = {"image": j.cluster.image, "command": cluster.node_argv(j, "kubeflow", job_id), "env": _env(j),
+    trainer = {"image": j.cluster.image, "command": spec.node_argv(j, "kubeflow", job_id), "env": _env(j),
                "numNodes": j.nodes, "numProcPerNode": j.nproc_per_node}
     if _resources(j):
         trainer["resourcesPerNode"] = _resources(j)
-    spec: dict = {"runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
+    body: dict = {"runtimeRef": {"apiGroup": "trainer.kubeflow.org", "kind": "ClusterTrainingRuntime",
                                  "name": j.cluster.runtime}, "trainer": trainer}
     volumes, mounts = _mount(j)
     if volumes:
         pod = {"volumes": volumes, "containers": [{"name": "node", "volumeMounts": mounts}]}
-        spec["runtimePatches"] = [{"manager": MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
+        body["runtimePatches"] = [{"manager": MANAGER, "trainingRuntimeSpec": {"template": {"spec": {
             "replicatedJobs": [{"name": "node", "template": {"spec": {"template": {"spec": pod}}}}]}}}}]
-    return _object("trainjob", j, job_id, spec)
+    return _object("trainjob", j, job_id, body)
 
 
 def _replica(j: Job, n: int, container: dict, labels: dict | None = None) -> dict:
@@ -115,16 +115,16 @@ def ascendjob(j: Job, job_id: str) -> dict:
     replicas = {"Master": _replica(j, 1, c, ring)}
     if j.nodes > 1:
         replicas["Worker"] = _replica(j, j.nodes - 1, c, ring)
-    spec = {"schedulerName": "volcano", "successPolicy": "AllWorkers", "replicaSpecs": replicas,
+    body = {"schedulerName": "volcano", "successPolicy": "AllWorkers", "replicaSpecs": replicas,
             "runPolicy": {"schedulingPolicy": {"minAvailable": j.nodes, "queue": j.cluster.queue}}}
-    return _object("ascendjob", j, job_id, spec, labels={"framework": "pytorch", **ring})
+    return _object("ascendjob", j, job_id, body, labels={"framework": "pytorch", **ring})
 
 
-def _object(api: str, j: Job, job_id: str, spec: dict, labels: dict | None = None) -> dict:
+def _object(api: str, j: Job, job_id: str, body: dict, labels: dict | None = None) -> dict:
     version, kind, _ = KINDS[api]
     meta = {"name": job_id, "namespace": j.cluster.namespace,
             "labels": {"app.kubernetes.io/managed-by": MANAGER, **(labels or {})}}
-    return {"apiVersion": version, "kind": kind, "metadata": meta, "spec": spec}
+    return {"apiVersion": version, "kind": kind, "metadata": meta, "spec": body}
 
 
 RENDER = {"trainjob": trainjob, "pytorchjob": pytorchjob, "ascendjob": ascendjob}
@@ -182,7 +182,7 @@ def launch(cfg, j: Job, out: Path, log) -> dict:
     k8s = _client()
     job_id = f"{j.name[:55]}-{uuid.uuid4().hex[:6]}"  # unique per attempt: an old job may still be there
     body = manifest(j, job_id)
-    cluster.write_description(out, f"{job_id}.yaml", yaml.safe_dump(body, sort_keys=False))
+    spec.write_description(out, f"{job_id}.yaml", yaml.safe_dump(body, sort_keys=False))
     version, kind, plural = KINDS[j.cluster.api]
     group, _, ver = version.partition("/")
     api = k8s.client.CustomObjectsApi()
@@ -192,7 +192,7 @@ def launch(cfg, j: Job, out: Path, log) -> dict:
     except k8s.client.ApiException as err:
         raise StageError(f"train.launcher=kubernetes: the cluster refused the {kind}: {err.status} {err.reason}") \
             from None
-    (out / cluster.FOLDER / cluster.RECORD).write_text(json.dumps(
+    (out / spec.FOLDER / spec.RECORD).write_text(json.dumps(
         {"scheduler": "kubernetes", "kind": kind, "namespace": ns, "job_id": job_id, "submitted_at": time.time()}))
     log.info("created %s %s/%s", kind, ns, job_id)
     try:
@@ -211,7 +211,7 @@ def _follow(cfg, k8s, j: Job, job_id: str, out: Path, log) -> dict:
     version, _, plural = KINDS[j.cluster.api]
     group, _, ver = version.partition("/")
     api, core, ns = k8s.client.CustomObjectsApi(), k8s.client.CoreV1Api(), j.cluster.namespace
-    gate = cluster.Gate(out / cluster.FOLDER, job_id, j.nodes, j.wait_s, j.out)
+    gate = spec.Gate(out / spec.FOLDER, job_id, j.nodes, j.wait_s, j.out)
     shown = 0
     while True:
         obj = api.get_namespaced_custom_object(group, ver, ns, plural, job_id)

@@ -16,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmpipe.train import cluster
+from llmpipe.train.cluster import spec
 from llmpipe.train.launch import TORCHRUN_LOGS, stderr_log, torchrun_argv, torchrun_env
 
 # The scheduler's own variables for the node's rank and the first node's address: Slurm's; Kubeflow's
@@ -44,10 +44,10 @@ def where(scheduler: str, port: int) -> tuple[int, str, int]:
 
 
 def _wait_for_go(folder: Path, job_id: str, node: int, wait_s: float) -> None:
-    cluster.marker(folder, job_id, node).parent.mkdir(parents=True, exist_ok=True)
-    cluster.marker(folder, job_id, node).write_text(f"{socket.gethostname()} {time.time()}\n")
+    spec.marker(folder, job_id, node).parent.mkdir(parents=True, exist_ok=True)
+    spec.marker(folder, job_id, node).write_text(f"{socket.gethostname()} {time.time()}\n")
     deadline = time.monotonic() + wait_s
-    go = cluster.go_file(folder, job_id)
+    go = spec.go_file(folder, job_id)
     while not go.is_file():
         if time.monotonic() > deadline:
             sys.exit(f"llmpipe node {node}: no go from the stage in {folder} within {wait_s:.0f} s (it sees every "
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     job_id = a.job_id or os.environ[_JOB_ID[a.scheduler]]
     node, first, port = where(a.scheduler, a.port)
     out = Path(a.out)
-    _wait_for_go(out / cluster.FOLDER, job_id, node, a.wait_s)
+    _wait_for_go(out / spec.FOLDER, job_id, node, a.wait_s)
     restart = os.environ.get("SLURM_RESTART_COUNT", "0")  # a requeued job meets under a fresh id
     cmd = torchrun_argv(a.nproc_per_node, Path(a.config), Path(a.data), out, python=sys.executable,
                         nnodes=a.nodes, node_rank=node, rdzv_endpoint=f"{first}:{port}",

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from llmpipe import device as dev
 from llmpipe.errors import ConfigError, StageError
-from llmpipe.train import cluster
-from llmpipe.train.cluster import Job
+from llmpipe.train.cluster import spec
+from llmpipe.train.cluster.spec import Job
 
 SCRIPT = "job.sbatch"
 OUTPUT = "slurm-%j.out"  # sbatch's output pattern, in the cluster folder
@@ -32,7 +32,7 @@ def sbatch_options(j: Job) -> list[str]:
     """The #SBATCH options: nodes, one task per node, the devices, output, requeue, partition/time/account."""
     c = j.cluster
     opts = [f"--job-name={j.name}", f"--nodes={j.nodes}", "--ntasks-per-node=1", "--exclusive",
-            f"--output={Path(j.out) / cluster.FOLDER / OUTPUT}", "--open-mode=append",
+            f"--output={Path(j.out) / spec.FOLDER / OUTPUT}", "--open-mode=append",
             "--requeue" if c.requeue else "--no-requeue"]
     gres = dev.slurm_gres(j.accelerator)
     if gres and j.devices_per_node:
@@ -46,7 +46,7 @@ def sbatch_options(j: Job) -> list[str]:
 def srun_argv(j: Job) -> list[str]:
     """The one step: every node starts the node entry (which becomes torchrun); a node that fails ends the job."""
     return ["srun", f"--nodes={j.nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=1",
-            *cluster.node_argv(j, "slurm")]
+            *spec.node_argv(j, "slurm")]
 
 
 def batch_script(j: Job) -> str:
@@ -124,13 +124,13 @@ def cancel(job_id: str, wait_s: float = 60) -> None:
 def launch(cfg, j: Job, out: Path, log) -> dict:
     """Write the script, submit it, follow the job to its end (its output into `log`), cancel it when
     interrupted. Returns what the stage records: the job id and the times it was requeued."""
-    script = cluster.write_description(out, SCRIPT, batch_script(j))
+    script = spec.write_description(out, SCRIPT, batch_script(j))
     res = _client(submit_argv(script), check=False)
     if res.returncode != 0:
         raise StageError(f"train.launcher=slurm: sbatch refused the job: {_first_line(res.stderr or res.stdout)}")
     job_id = res.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
-    folder = out / cluster.FOLDER
-    (folder / cluster.RECORD).write_text(json.dumps({"scheduler": "slurm", "job_id": job_id, "script": SCRIPT,
+    folder = out / spec.FOLDER
+    (folder / spec.RECORD).write_text(json.dumps({"scheduler": "slurm", "job_id": job_id, "script": SCRIPT,
                                                      "submitted_at": time.time()}) + "\n")
     log.info("submitted Slurm job %s (%s)", job_id, script)
     try:
@@ -142,9 +142,9 @@ def launch(cfg, j: Job, out: Path, log) -> dict:
 
 
 def _follow(cfg, j: Job, job_id: str, out: Path, log) -> dict:
-    folder = out / cluster.FOLDER
-    tail = cluster.Tail(folder / OUTPUT.replace("%j", job_id))
-    gate = cluster.Gate(folder, job_id, j.nodes, j.wait_s, j.out)
+    folder = out / spec.FOLDER
+    tail = spec.Tail(folder / OUTPUT.replace("%j", job_id))
+    gate = spec.Gate(folder, job_id, j.nodes, j.wait_s, j.out)
     runs, last = 0, ""
     while True:
         st, code = state(job_id)
@@ -166,7 +166,7 @@ def _follow(cfg, j: Job, job_id: str, out: Path, log) -> dict:
                 log.info("%s", line)
             if not gate.open:  # it ended before every node reported: did its output even reach this folder?
                 raise StageError(f"Slurm job {job_id} ended {st} (exit {code or '?'}) before node(s) "
-                                 f"{', '.join(map(str, cluster.missing_markers(folder, job_id, j.nodes)))} wrote a "
+                                 f"{', '.join(map(str, spec.missing_markers(folder, job_id, j.nodes)))} wrote a "
                                  f"marker into {j.out}; its output {tail.path} is "
                                  + ("there" if tail.path.is_file() else "not in this folder: the artifacts folder is "
                                     "not shared with every node (train.cluster.shared_dir)"))
