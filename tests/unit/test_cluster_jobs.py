@@ -13,7 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
-from llmpipe import cli, stages
+from llmpipe import cli, preflight, stages
 from llmpipe import config as config_mod
 from llmpipe.errors import ConfigError
 from llmpipe.tools import plan
@@ -183,3 +183,12 @@ def test_prefect_yaml_s_cluster_deployments_load_their_config_with_the_launcher_
         cfg = config_mod.load(ROOT / d["parameters"]["config"], [*overrides, f"run.artifacts_dir={tmp_path}"])
         assert cfg.train.launcher == name.removeprefix("cluster-")
         assert plan.plan(cfg).world_size == 64
+
+
+def test_no_sbatch_on_path_is_one_line_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))  # a folder without Slurm's clients
+    cfg = _cfg(tmp_path, "train.launcher=slurm")
+    with pytest.raises(ConfigError) as info:
+        preflight.check_before_run(cfg, ["prepare_data", "train"], force=False, source="cfg.yaml")
+    assert str(info.value) == ("cfg.yaml: train.launcher: slurm, but sbatch is not on PATH (run on a Slurm login "
+                               "node)")
