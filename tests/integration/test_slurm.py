@@ -99,20 +99,40 @@ def test_a_requeued_slurm_job_resumes_from_the_newest_verified_checkpoint_and_th
     assert slurm.squeue() == []
 
 
-def test_interrupting_the_train_stage_cancels_its_slurm_job_and_leaves_nothing_in_squeue(slurm, tmp_path):
+def _stage_cli(path: Path) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "llmpipe", "stage", "train", str(path)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_killed_stage_s_job_is_taken_up_by_the_next_attempt_and_ctrl_c_leaves_nothing_in_squeue(slurm, tmp_path):
     path = _slurm_config(tmp_path, "cancel")
+    tree = yaml.safe_load(path.read_text())
+    tree["train"]["max_steps"] = 100_000  # still training when the test is done with it
+    path.write_text(yaml.safe_dump(tree))
     cfg = config_mod.load(path)
     stages.run_stage("prepare_data", cfg)
-    proc = subprocess.Popen([sys.executable, "-m", "llmpipe", "stage", "train", str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    first = _stage_cli(path)
     partial = stages.partial_dir(cfg.run_dir(), "train")
     _wait_for(lambda: (partial / cluster.FOLDER / cluster.RECORD).is_file(), "the job's submission")
     job_id = _record(cfg)["job_id"]
     _wait_for(lambda: any(line.startswith(f"{job_id} RUNNING") for line in slurm.squeue()), "the job running")
-    proc.send_signal(signal.SIGINT)  # Ctrl-C
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0
+    first.kill()  # no chance to cancel: the job runs on
+    first.communicate(timeout=60)
+    assert [line.split()[0] for line in slurm.squeue()] == [job_id]
+
+    second = _stage_cli(path)  # follows that job rather than submitting another
+    seen = []
+    for line in second.stdout:  # up to the line that says so
+        seen.append(line)
+        if f"following Slurm job {job_id}, submitted by an earlier attempt and still queued" in line:
+            break
+    else:
+        raise AssertionError("".join(seen[-30:]))
+    second.send_signal(signal.SIGINT)  # Ctrl-C
+    output, _ = second.communicate(timeout=120)
+    assert second.returncode != 0
     assert f"cancelling Slurm job {job_id}" in output, output[-2000:]
+    assert "submitted Slurm job" not in "".join(seen) + output
     assert slurm.squeue() == []
 
 

@@ -121,18 +121,36 @@ def cancel(job_id: str, wait_s: float = 60) -> None:
         time.sleep(0.5)
 
 
+def _still_queued(out: Path) -> str | None:
+    """The job an earlier attempt of this stage submitted into the same folder, if Slurm still has it
+    queued or running (the stage was killed without cancelling it): followed, never submitted twice."""
+    try:
+        record = json.loads((out / spec.FOLDER / spec.RECORD).read_text())
+    except (OSError, ValueError):
+        return None
+    job_id = str(record.get("job_id", "")) if record.get("scheduler") == "slurm" else ""
+    if not job_id.isdigit():
+        return None
+    st, _ = state(job_id)
+    return job_id if st not in DONE and st != "UNKNOWN" else None
+
+
 def launch(cfg, j: Job, out: Path, log) -> dict:
-    """Write the script, submit it, follow the job to its end (its output into `log`), cancel it when
-    interrupted. Returns what the stage records: the job id and the times it was requeued."""
+    """Write the script, submit it (or take up the job an earlier attempt left running), follow the job
+    to its end (its output into `log`), cancel it when interrupted. Returns what the stage records: the
+    job id and the times it was requeued."""
     script = spec.write_description(out, SCRIPT, batch_script(j))
-    res = _client(submit_argv(script), check=False)
-    if res.returncode != 0:
-        raise StageError(f"train.launcher=slurm: sbatch refused the job: {_first_line(res.stderr or res.stdout)}")
-    job_id = res.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
-    folder = out / spec.FOLDER
-    (folder / spec.RECORD).write_text(json.dumps({"scheduler": "slurm", "job_id": job_id, "script": SCRIPT,
-                                                     "submitted_at": time.time()}) + "\n")
-    log.info("submitted Slurm job %s (%s)", job_id, script)
+    job_id = _still_queued(out)
+    if job_id is not None:
+        log.info("following Slurm job %s, submitted by an earlier attempt and still queued", job_id)
+    else:
+        res = _client(submit_argv(script), check=False)
+        if res.returncode != 0:
+            raise StageError(f"train.launcher=slurm: sbatch refused the job: {_first_line(res.stderr or res.stdout)}")
+        job_id = res.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+        (out / spec.FOLDER / spec.RECORD).write_text(json.dumps(
+            {"scheduler": "slurm", "job_id": job_id, "script": SCRIPT, "submitted_at": time.time()}) + "\n")
+        log.info("submitted Slurm job %s (%s)", job_id, script)
     try:
         return _follow(cfg, j, job_id, out, log)
     except BaseException:
