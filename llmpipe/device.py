@@ -285,7 +285,12 @@ def compile_backend(device: torch.device):
 # MindCluster's AscendJob schedules Ascend 910 chips by (its ring-controller.atlas label).
 _CLUSTER_RESOURCE = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
 _SLURM_GRES = {"npu": "npu", "cuda": "gpu"}
-ASCEND_RING = "ascend-910b"
+_ASCEND_RING = {"npu": "ascend-910b"}
+
+
+def ascend_ring(accelerator: str) -> str | None:
+    """The ring-controller.atlas label an AscendJob's pods carry for these devices; None off Ascend."""
+    return _ASCEND_RING.get(accelerator)
 
 
 def cluster_resource(accelerator: str) -> str | None:

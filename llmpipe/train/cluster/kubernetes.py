@@ -111,7 +111,7 @@ def ascendjob(j: Job, job_id: str) -> dict:
     if resource:  # the devices Volcano gave the pod, for Ascend's container runtime
         c["env"] = c["env"] + [{"name": "ASCEND_VISIBLE_DEVICES", "valueFrom": {"fieldRef": {
             "fieldPath": f"metadata.annotations['{resource}']"}}}]
-    ring = {"ring-controller.atlas": dev.ASCEND_RING} if j.accelerator == "npu" else {}
+    ring = {"ring-controller.atlas": dev.ascend_ring(j.accelerator)} if dev.ascend_ring(j.accelerator) else {}
     replicas = {"Master": _replica(j, 1, c, ring)}
     if j.nodes > 1:
         replicas["Worker"] = _replica(j, j.nodes - 1, c, ring)
