@@ -1073,9 +1073,11 @@ def operational_changes(old: dict[str, Any], new: dict[str, Any], sections: tupl
             x = a.get(name) if isinstance(a, dict) else None
             y = b.get(name) if isinstance(b, dict) else None
             sub = _subsection(cls.model_fields[name].annotation)
+            # a field added after `a` was recorded, at its default, is no change (e.g. train.launcher: local)
+            absent = not isinstance(a, dict) or name not in a
             if sub is not None:
                 walk(sub, x, y, path + ".", op)
-            elif op and x != y:
+            elif op and x != y and not (absent and y == cls.model_fields[name].get_default(call_default_factory=True)):
                 changes[path] = [x, y]
 
     for dotted in sections:
