@@ -117,6 +117,13 @@ class LocalSlurm:
                              timeout=20)
         return res.stdout.split("\n")[:-1] if res.stdout else []
 
+    def cancel_all(self, wait_s: float = 60) -> None:
+        """scancel every job and wait until squeue lists none (what a failed test left)."""
+        subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=20)
+        deadline = time.monotonic() + wait_s
+        while self.squeue() and time.monotonic() < deadline:
+            time.sleep(0.3)
+
     def stop(self) -> None:
         subprocess.run(["scancel", "--full", "-u", "root"], env=self.env, capture_output=True, timeout=20)
         for proc in reversed(self.procs):

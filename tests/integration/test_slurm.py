@@ -44,6 +44,13 @@ def slurm(tmp_path_factory, request):
         os.environ["SLURM_CONF"] = old
 
 
+@pytest.fixture(autouse=True)
+def _no_job_left(slurm):
+    """Each test starts with an empty queue whatever the one before it left (a job holds the node)."""
+    yield
+    slurm.cancel_all()
+
+
 def _slurm_config(tmp_path: Path, name: str, **cluster_settings) -> Path:
     """test_faults' tiny two-rank run with launcher slurm; `cluster_settings` override train.cluster."""
     path = _config(tmp_path, name)

@@ -192,10 +192,10 @@ def launch(cfg, j: Job, out: Path, log) -> dict:
     except k8s.client.ApiException as err:
         raise StageError(f"train.launcher=kubernetes: the cluster refused the {kind}: {err.status} {err.reason}") \
             from None
-    (out / spec.FOLDER / spec.RECORD).write_text(json.dumps(
-        {"scheduler": "kubernetes", "kind": kind, "namespace": ns, "job_id": job_id, "submitted_at": time.time()}))
-    log.info("created %s %s/%s", kind, ns, job_id)
-    try:
+    try:  # from here on, an interrupt deletes the job
+        (out / spec.FOLDER / spec.RECORD).write_text(json.dumps(
+            {"scheduler": "kubernetes", "kind": kind, "namespace": ns, "job_id": job_id, "submitted_at": time.time()}))
+        log.info("created %s %s/%s", kind, ns, job_id)
         return _follow(cfg, k8s, j, job_id, out, log)
     except BaseException:
         log.info("deleting %s %s/%s", kind, ns, job_id)

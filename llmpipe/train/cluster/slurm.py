@@ -141,22 +141,29 @@ def launch(cfg, j: Job, out: Path, log) -> dict:
     job id and the times it was requeued."""
     script = spec.write_description(out, SCRIPT, batch_script(j))
     job_id = _still_queued(out)
-    if job_id is not None:
-        log.info("following Slurm job %s, submitted by an earlier attempt and still queued", job_id)
-    else:
-        res = _client(submit_argv(script), check=False)
-        if res.returncode != 0:
-            raise StageError(f"train.launcher=slurm: sbatch refused the job: {_first_line(res.stderr or res.stdout)}")
-        job_id = res.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
-        (out / spec.FOLDER / spec.RECORD).write_text(json.dumps(
-            {"scheduler": "slurm", "job_id": job_id, "script": SCRIPT, "submitted_at": time.time()}) + "\n")
-        log.info("submitted Slurm job %s (%s)", job_id, script)
-    try:
+    try:  # from here on, an interrupt cancels the job (the id is known once sbatch returns)
+        if job_id is not None:
+            log.info("following Slurm job %s, submitted by an earlier attempt and still queued", job_id)
+        else:
+            job_id = _submit(script, out)
+            log.info("submitted Slurm job %s (%s)", job_id, script)
         return _follow(cfg, j, job_id, out, log)
     except BaseException:
-        log.info("cancelling Slurm job %s", job_id)
-        cancel(job_id)
+        if job_id is not None:
+            log.info("cancelling Slurm job %s", job_id)
+            cancel(job_id)
         raise
+
+
+def _submit(script: Path, out: Path) -> str:
+    """sbatch the script; the job id, also written into the stage's record."""
+    res = _client(submit_argv(script), check=False)
+    if res.returncode != 0:
+        raise StageError(f"train.launcher=slurm: sbatch refused the job: {_first_line(res.stderr or res.stdout)}")
+    job_id = res.stdout.strip().split(";")[0]  # --parsable: "id" or "id;cluster"
+    (out / spec.FOLDER / spec.RECORD).write_text(json.dumps(
+        {"scheduler": "slurm", "job_id": job_id, "script": SCRIPT, "submitted_at": time.time()}) + "\n")
+    return job_id
 
 
 def _follow(cfg, j: Job, job_id: str, out: Path, log) -> dict:
