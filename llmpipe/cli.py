@@ -118,6 +118,11 @@ def _parser() -> argparse.ArgumentParser:
     stage.add_argument("stage", choices=STAGES)
     common(stage)
 
+    job = sub.add_parser("job", help="the train stage's job on a cluster (train.launcher slurm or kubernetes): "
+                         "submit and follow it (the train stage, as `llmpipe stage train`), or print it")
+    common(job)
+    job.add_argument("--dry-run", action="store_true", help="print the sbatch script or the manifest; submit nothing")
+
     status = sub.add_parser("status", help="each stage's state, fingerprint match and duration")
     status.add_argument("run", help="run name (folder under the artifacts dir)")
     status.add_argument("--artifacts-dir", default="artifacts")
@@ -447,13 +452,29 @@ def _run_stage(args: argparse.Namespace) -> int:
     return 0
 
 
+def _job(args: argparse.Namespace) -> int:
+    from llmpipe.train import cluster
+
+    cfg = config_mod.load(args.config, _overrides(args))
+    if cfg.train.launcher == "local":
+        raise ConfigError(f"{args.config}: train.launcher: local starts torchrun here, no job to submit; set "
+                          "train.launcher to slurm or kubernetes")
+    if args.dry_run:
+        print(cluster.describe(cfg), end="")
+        return 0
+    args.stage = "train"
+    return _run_stage(args)
+
+
 def _dryrun(args: argparse.Namespace) -> int:
     from llmpipe.parallel.mesh import LayoutError
     from llmpipe.tools import dryrun
+    from llmpipe.train.cluster import planned_world
 
     cfg = config_mod.load(args.config, list(args.overrides))
     try:
-        print(dryrun.run(cfg, args.world_size or dryrun.default_world_size(cfg), args.all_ranks))
+        world = planned_world(cfg, args.world_size)  # a scheduler's job: its nodes x nproc_per_node
+        print(dryrun.run(cfg, world or dryrun.default_world_size(cfg), args.all_ranks))
     except LayoutError as err:
         raise ConfigError(f"{args.config}: train.parallel: {err}") from None
     return 0
@@ -543,6 +564,8 @@ def main(argv: list[str] | None = None) -> int:
             return _run_flow(args)
         if args.command == "stage":
             return _run_stage(args)
+        if args.command == "job":
+            return _job(args)
         if args.command == "status":
             return _status(args)
         if args.command == "dryrun":

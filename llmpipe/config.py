@@ -396,6 +396,86 @@ class HcclSection(Section):
     socket_ifname: str | None = Op(None, description="HCCL_SOCKET_IFNAME: the NIC for HCCL's sockets.")
 
 
+SLURM_TIME_RE = re.compile(r"^(\d+-)?\d+(:\d{1,2}){0,2}$")  # sbatch --time: minutes, h:m:s, d-h[:m[:s]]
+ENV_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+K8S_NAME_RE = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")  # a DNS-1123 label (namespace, claim name)
+
+
+class ClusterSection(Section):
+    """Where a scheduled job runs the ranks (train.launcher slurm or kubernetes). The world is
+    train.nodes x train.nproc_per_node, as under torchrun; the rendezvous is on the job's first node
+    at train.master_port."""
+
+    accelerator: Literal["npu", "cuda", "cpu"] = Op("npu", description="What each node's ranks use: the "
+                                                     "devices requested per node (nproc_per_node x "
+                                                     "devices_per_proc of them) and their collective "
+                                                     "library's environment (llmpipe.device); cpu requests none.")
+    devices_per_proc: int = Op(1, ge=1, le=64, description="Devices each rank drives (1 but for a rank that "
+                               "spans several).")
+    shared_dir: str | None = Op(None, description="run.artifacts_dir as the nodes see it (their mount of the "
+                                "shared folder); null: the same path. Every node must see the folder the "
+                                "stage writes: each writes a marker there before training and the stage "
+                                "checks them all.")
+    python: str | None = Op(None, description="The interpreter the job starts torchrun with; null: this one "
+                            "(sys.executable, a shared environment) under Slurm, `python` in a container.")
+    env: dict[str, str] = Op(default_factory=dict, description="Extra environment for every rank "
+                             "(e.g. a proxy, a cache folder); the device's collective settings come from "
+                             "train.hccl and llmpipe.device.")
+    marker_timeout_s: int = Op(600, ge=5, description="How long the stage waits, once the job runs, for "
+                               "every node's marker in the shared folder before it cancels the job.")
+    poll_s: float = Op(2.0, gt=0, le=60, description="How often the stage asks the scheduler for the job's state.")
+    # Slurm
+    partition: str | None = Op(None, description="Slurm: sbatch --partition (checked with sinfo before "
+                               "submitting); null: the cluster's default.")
+    time: str | None = Op(None, description="Slurm: sbatch --time (minutes, h:m:s or d-h:m:s); null: the "
+                          "partition's limit.")
+    account: str | None = Op(None, description="Slurm: sbatch --account; null: the user's default.")
+    requeue: bool = Op(True, description="Slurm: sbatch --requeue: a preempted or requeued job starts again "
+                       "and resumes from the newest checkpoint that verifies.")
+    # Kubernetes
+    api: Literal["trainjob", "pytorchjob", "ascendjob"] = Op("trainjob", description="Kubernetes: the job "
+                                                              "kind: Kubeflow Trainer v2 TrainJob, the older "
+                                                              "PyTorchJob, or MindCluster's AscendJob (Volcano).")
+    image: str | None = Op(None, description="Kubernetes: the container image with llmpipe installed "
+                           "(required with launcher kubernetes).")
+    namespace: str = Op("default", description="Kubernetes: the namespace the job is created in.")
+    runtime: str = Op("torch-distributed", description="Kubernetes, TrainJob: the ClusterTrainingRuntime "
+                      "it refers to.")
+    volume_claim: str | None = Op(None, description="Kubernetes: the PersistentVolumeClaim (ReadWriteMany) "
+                                  "holding run.artifacts_dir, mounted at shared_dir in every pod; null: the "
+                                  "image or runtime mounts it.")
+    queue: str = Op("default", description="Kubernetes, AscendJob: the Volcano queue.")
+
+    @field_validator("time")
+    @classmethod
+    def _slurm_time(cls, v: str | None) -> str | None:
+        if v is not None and not SLURM_TIME_RE.match(v):
+            raise ValueError("not a Slurm time (minutes, h:m:s or d-h:m:s)")
+        return v
+
+    @field_validator("env")
+    @classmethod
+    def _env_names(cls, v: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in v if not ENV_NAME_RE.match(k)]
+        if bad:
+            raise ValueError(f"{bad[0]!r} is not an environment variable name")
+        return v
+
+    @field_validator("namespace", "volume_claim")
+    @classmethod
+    def _k8s_name(cls, v: str | None) -> str | None:
+        if v is not None and not K8S_NAME_RE.match(v):
+            raise ValueError("not a Kubernetes name (lower-case letters, digits, '-')")
+        return v
+
+    @field_validator("shared_dir")
+    @classmethod
+    def _absolute(cls, v: str | None) -> str | None:
+        if v is not None and not v.startswith("/"):
+            raise ValueError("must be an absolute path (the folder on the nodes)")
+        return v
+
+
 class TrainSection(Section):
     nproc_per_node: int = Op(1, ge=1, le=1024, description="Processes torchrun starts on this node.")
     micro_batch_size: int = Op(8, ge=1, description="Samples per rank per forward pass.")
@@ -436,9 +516,31 @@ class TrainSection(Section):
                                       "rendezvous, served by node 0's agent; required when nodes > 1.")
     restarts: int = Op(0, ge=0, le=100, description="torchrun --max-restarts: times a failed job is "
                        "restarted in place (every rank, resuming from the newest checkpoint).")
+    launcher: Literal["local", "slurm", "kubernetes"] = Op("local", description="Who starts the ranks: local "
+                                                          "(torchrun, or DeepSpeed's launcher over a "
+                                                          "hostfile, from this stage), slurm (sbatch) or "
+                                                          "kubernetes (a TrainJob, PyTorchJob or AscendJob): the "
+                                                          "stage submits the job, follows it and cancels it.")
+    cluster: ClusterSection = Op(default_factory=ClusterSection, description="The job's settings with launcher "
+                                 "slurm or kubernetes.")
     profile: ProfileSection = Op(default_factory=ProfileSection)
     debug: DebugSection = Op(default_factory=DebugSection)
     hccl: HcclSection = Op(default_factory=HcclSection)
+
+    @model_validator(mode="after")
+    def _launcher(self) -> TrainSection:
+        """A scheduled job starts every node itself: no hostfile, no per-node settings."""
+        if self.launcher == "local":
+            return self
+        if self.hostfile is not None:
+            raise ValueError(f"launcher={self.launcher} starts torchrun on every node itself; train.hostfile "
+                             "(DeepSpeed's launcher over ssh) is for launcher local")
+        if self.node_rank != 0 or self.rdzv_endpoint is not None:
+            raise ValueError(f"launcher={self.launcher}: the job's first node is the rendezvous; leave "
+                             "train.node_rank and train.rdzv_endpoint unset")
+        if self.launcher == "kubernetes" and not self.cluster.image:
+            raise ValueError("launcher=kubernetes needs train.cluster.image (the container image with llmpipe)")
+        return self
 
     @model_validator(mode="after")
     def _compile_layout(self) -> TrainSection:
@@ -977,9 +1079,11 @@ def operational_changes(old: dict[str, Any], new: dict[str, Any], sections: tupl
             x = a.get(name) if isinstance(a, dict) else None
             y = b.get(name) if isinstance(b, dict) else None
             sub = _subsection(cls.model_fields[name].annotation)
+            # a field added after `a` was recorded, at its default, is no change (e.g. train.launcher: local)
+            absent = not isinstance(a, dict) or name not in a
             if sub is not None:
                 walk(sub, x, y, path + ".", op)
-            elif op and x != y:
+            elif op and x != y and not (absent and y == cls.model_fields[name].get_default(call_default_factory=True)):
                 changes[path] = [x, y]
 
     for dotted in sections:

@@ -278,3 +278,37 @@ def compile_backend(device: torch.device):
                            f"PATH (looked for {', '.join(([env] if env else []) + names)}); install one "
                            "(e.g. apt install g++) or set train.compile: false")
     return "inductor"
+
+
+# What a cluster scheduler is asked for per accelerator (train.cluster.accelerator): the Kubernetes
+# extended resource (Ascend's device plugin, NVIDIA's), Slurm's GRES name, and the ring label
+# MindCluster's AscendJob schedules Ascend 910 chips by (its ring-controller.atlas label).
+_CLUSTER_RESOURCE = {"npu": "huawei.com/Ascend910", "cuda": "nvidia.com/gpu"}
+_SLURM_GRES = {"npu": "npu", "cuda": "gpu"}
+_ASCEND_RING = {"npu": "ascend-910b"}
+
+
+def ascend_ring(accelerator: str) -> str | None:
+    """The ring-controller.atlas label an AscendJob's pods carry for these devices; None off Ascend."""
+    return _ASCEND_RING.get(accelerator)
+
+
+def cluster_resource(accelerator: str) -> str | None:
+    """The Kubernetes resource a node's devices are requested as; None on CPU."""
+    return _CLUSTER_RESOURCE.get(accelerator)
+
+
+def slurm_gres(accelerator: str) -> str | None:
+    """Slurm's generic resource name for the devices; None on CPU."""
+    return _SLURM_GRES.get(accelerator)
+
+
+def cluster_env(accelerator: str, timeout_s: int, hccl=None) -> dict[str, str]:
+    """The collective library's environment for ranks a scheduler starts on other machines: HCCL's
+    (dist_env) on NPU; NCCL's network settings from the same train.hccl fields on CUDA."""
+    env = dist_env(accelerator, timeout_s, hccl)
+    if accelerator == "cuda" and hccl is not None:
+        for key, value in (("NCCL_IB_HCA", hccl.ib_hca), ("NCCL_SOCKET_IFNAME", hccl.socket_ifname)):
+            if value is not None:
+                env[key] = str(value)
+    return env

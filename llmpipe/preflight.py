@@ -36,6 +36,10 @@ def check_launch(cfg: RunConfig) -> None:
             raise ConfigError(str(err)) from None
     config_checks.validate_layout(cfg, config_checks.config_model_args(cfg), world,
                      f" (world size {world} = nproc_per_node {cfg.train.nproc_per_node} x {nodes} node(s))")
+    if t.launcher != "local":  # the scheduler's client here and answering, its partition / namespace there
+        from llmpipe.train import cluster
+
+        cluster.check(cfg)
 
 
 # The largest meta.json read for check_resume: it lists every file of the checkpoint with its digest,

@@ -183,7 +183,10 @@ def setup_from_config(cfg: RunConfig, world_size: int | None = None) -> Setup:
         raise ConfigError(str(err)) from None
     if cfg.data.seq_len > args.max_seq_len:
         raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds the model's max_seq_len={args.max_seq_len}")
-    world = world_size or (par.dp * par.tp * par.pp if par.dp is not None else t.nproc_per_node)
+    from llmpipe.train.cluster import planned_world  # a scheduler's job: its nodes x nproc_per_node
+
+    world = planned_world(cfg, world_size) or (par.dp * par.tp * par.pp if par.dp is not None
+                                               else t.nproc_per_node)
     dims = mesh.validate(par, args, world, t.micro_batch_size)
     precision = "bf16" if t.precision.dtype == "auto" else t.precision.dtype
     if dims.tp * dims.pp > 1:

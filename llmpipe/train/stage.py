@@ -76,6 +76,8 @@ def check_layout(cfg, data_dir: Path) -> None:
 def calibrate_cpu(cfg) -> None:
     """Measure this machine's CPU GEMM peak for MFU once, here, before the ranks start: they find it in
     the artifacts folder's cache instead of each measuring while the others start up."""
+    if cfg.train.launcher != "local":  # the ranks run on other machines
+        return
     device = dev.resolve(cfg.run.device)
     if device.type != "cpu" or cfg.train.peak_tflops is not None:
         return
@@ -92,6 +94,24 @@ def run(ctx: StageContext) -> StageResult:
     config_path = out / "config.yaml"
     tree, warm_start = warm.prepare(ctx)  # an earlier attempt's checkpoint to continue from, if any
     config_path.write_text(yaml.safe_dump(tree, sort_keys=False))
+    if cfg.train.launcher == "local":
+        job = _launch_local(cfg, config_path, data_dir, out)
+    else:  # a scheduler starts the ranks; the stage submits the job, follows it, cancels it if interrupted
+        from llmpipe.train import cluster
+
+        job = cluster.launch(cfg, config_path, data_dir, out, log)
+    final = ckpt.latest_valid(out / "checkpoints")
+    if final is None or ckpt.read_meta(final)["step"] != cfg.train.max_steps:
+        raise StageError(f"training ended without a valid checkpoint at step {cfg.train.max_steps} in {out}")
+    return StageResult(
+        outputs={"checkpoint": final.relative_to(out).as_posix(), "metrics": metrics_mod.METRICS,
+                 "model_config": "model_config.json", "summary": "summary.json", "config": "config.yaml"},
+        metrics={**_summary_metrics(out), **({"warm_start": warm_start} if warm_start else {}), **job},
+    )
+
+
+def _launch_local(cfg, config_path: Path, data_dir: Path, out: Path) -> dict:
+    """torchrun (or DeepSpeed's launcher) from this process, its output streamed into the stage log."""
     argv = _launch_argv(cfg, config_path, data_dir, out)
     log.info("launching: %s", " ".join(argv))
     env, agent_file = rank_env(cfg), None
@@ -114,14 +134,7 @@ def run(ctx: StageContext) -> StageResult:
         steps.close()
     if code != 0:
         raise failure(code, out / TORCHRUN_LOGS, agent_file, since)
-    final = ckpt.latest_valid(out / "checkpoints")
-    if final is None or ckpt.read_meta(final)["step"] != cfg.train.max_steps:
-        raise StageError(f"training ended without a valid checkpoint at step {cfg.train.max_steps} in {out}")
-    return StageResult(
-        outputs={"checkpoint": final.relative_to(out).as_posix(), "metrics": metrics_mod.METRICS,
-                 "model_config": "model_config.json", "summary": "summary.json", "config": "config.yaml"},
-        metrics={**_summary_metrics(out), **({"warm_start": warm_start} if warm_start else {})},
-    )
+    return {}
 
 
 def _summary_metrics(out: Path) -> dict:

@@ -51,7 +51,8 @@ OPERATIONAL_FIELDS = [  # the issue's list: logging, cadences, retention, timeou
     "train.debug.nan_guard", "train.threads_per_proc", "train.hostfile", "train.nproc_per_node",
     "train.parallel.tp", "train.parallel.pp", "train.parallel.data", "train.parallel.bucket_cap_mb",
     "train.activation_checkpointing", "train.micro_batch_size", "train.grad_accum_steps", "run.device",
-    "run.retries", "convert_om.timeout_s", "convert_om.log",
+    "run.retries", "convert_om.timeout_s", "convert_om.log", "train.launcher", "train.cluster.partition",
+    "train.cluster.image", "train.cluster.shared_dir",
 ]
 RESULT_FIELDS = [
     "model.flavor", "model.dim", "data.inputs", "data.seq_len", "data.tokenizer.vocab_size", "run.seed",
@@ -75,6 +76,7 @@ def test_the_split_follows_the_issue():
     # the layout: 2 ranks x 4 x 1 = 1 rank x 4 x 2 = 1 rank x 8 x 1 sequences per step
     ["train.nproc_per_node=1", "train.grad_accum_steps=2"],
     ["train.nproc_per_node=1", "train.micro_batch_size=8"],
+    ["train.launcher=slurm", "train.cluster.partition=p", "train.cluster.accelerator=cpu"],
 ])
 def test_operational_changes_leave_every_fingerprint_unchanged(tmp_path, changes):
     base = ["train.nproc_per_node=2", "train.micro_batch_size=4", "train.grad_accum_steps=1"]
@@ -94,3 +96,12 @@ def test_operational_changes_between_recorded_configs_name_the_fields(tmp_path):
     new = _cfg(tmp_path, "train.log_every=5", "train.optim.lr=0.5", "train.parallel.tp=2").to_dict()
     assert config_mod.operational_changes(old, new, ("model", "train", "run.seed")) == {
         "train.log_every": [10, 5], "train.parallel.tp": [1, 2]}
+
+
+def test_a_config_recorded_before_the_launcher_settings_existed_shows_no_operational_change(tmp_path):
+    """train.launcher and train.cluster came later: at their defaults they are no change to record."""
+    old = _cfg(tmp_path).to_dict()
+    del old["train"]["launcher"], old["train"]["cluster"]
+    assert config_mod.operational_changes(old, _cfg(tmp_path).to_dict(), ("train",)) == {}
+    assert config_mod.operational_changes(old, _cfg(tmp_path, "train.launcher=slurm").to_dict(), ("train",)) == {
+        "train.launcher": [None, "slurm"]}
