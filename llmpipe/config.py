@@ -578,6 +578,11 @@ class WeightOnlySection(Section):
     ort_block_size: int | None = Res(None, added=True, description="Input rows per scale of the variant's "
                                      "ORT-optimised graph (export.ort_graph: the builder's MatMulNBits, 16 to 256); "
                                      "null: block_size. The portable graphs keep block_size.")
+    algorithm: Literal["rtn", "hqq"] = Res("rtn", added=True, description="How the scales and zero points are "
+                                           "chosen: rtn (round to nearest from each block's range), hqq "
+                                           "(onnxruntime's half-quadratic optimisation of them, float zero points).")
+    head_bits: Literal[4, 8] | None = Res(None, added=True, description="Bits of the output head's weights "
+                                          "(the last MatMul, whose errors go straight into the logits); null: bits.")
 
     @field_validator("bits")
     @classmethod
@@ -594,11 +599,13 @@ class WeightOnlySection(Section):
         return v
 
 
-def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort_block_size: int | None) -> Any:
+def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort_block_size: int | None,
+                 algorithm: str = "rtn", head_bits: int | None = None) -> Any:
     """A WeightOnlySection subclass with this variant's defaults (as _gate does for the limits)."""
     return type(f"{name.capitalize()}Quant", (WeightOnlySection,), {
         "__annotations__": {"bits": "int", "block_size": "int", "accuracy_level": "int",
-                            "ort_block_size": "int | None"},
+                            "ort_block_size": "int | None", "algorithm": 'Literal["rtn", "hqq"]',
+                            "head_bits": "Literal[4, 8] | None"},
         "bits": Res(bits, description=f"Bits per weight of {name}: 2, 4 or 8 (the widths MatMulNBits packs)."),
         "block_size": Res(block_size, description=f"Input rows per scale of {name}: a power of two, 16 or more."),
         "accuracy_level": Res(accuracy_level, ge=0, le=4, description=f"MatMulNBits compute type of {name}'s "
@@ -606,6 +613,11 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
         "ort_block_size": Res(ort_block_size, added=True, description=f"Input rows per scale of {name}'s "
                               "ORT-optimised graph (export.ort_graph: the builder's MatMulNBits, 16 to 256); null: "
                               "block_size. The portable graphs keep block_size."),
+        "algorithm": Res(algorithm, added=True, description=f"How {name}'s scales and zero points are chosen: "
+                         "rtn (round to nearest from each block's range), hqq (onnxruntime's half-quadratic "
+                         "optimisation of them, float zero points)."),
+        "head_bits": Res(head_bits, added=True, description=f"Bits of {name}'s output head (the last MatMul, whose "
+                         "errors go straight into the logits); null: bits."),
         "__module__": __name__,
     })
 

@@ -440,15 +440,16 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     folder, manifest = ctx.inputs["consolidate"]
     hf = manifest.path(folder, "hf/config.json").parent
     for name in fused.ORT_VARIANTS:
-        options = fused.weight_only_options(getattr(cfg.quantize, name)) if name in cfg.variants else None
+        section = getattr(cfg.quantize, name)
+        options = fused.weight_only_options(section) if name in cfg.variants else None
         if options is None:
             continue
         t0 = time.perf_counter()
         try:
-            out[name] = fused.build(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, *options).parent
+            out[name] = fused.build_weight_only(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, section).parent
         except StageError as err:
             raise StageError(f"benchmark: the {name} variant's {err}") from None
-        log.info("variant %s: ORT-optimised graph (the builder, %s, %s) in %.1fs", name, options[0],
+        log.info("variant %s: ORT-optimised graph (%s, %s, %s) in %.1fs", name, section.algorithm, options[0],
                  " ".join(f"{k}={v}" for k, v in options[1].items()), time.perf_counter() - t0)
     return out
 
