@@ -477,6 +477,11 @@ class ExportSection(Section):
                           "(onnxruntime-genai's model builder on consolidate's hf/: attention fused over the filled "
                           "cache only, fused norms and rotary embedding), which generate and the benchmark then run "
                           "for fp32 on the CPU. Needs consolidate.hf_layout and the onnxruntime-genai package.")
+    gguf: list[Literal["f16", "q8_0", "q4_0"]] = Res([], added=True, description="Also write gguf/model-<type>"
+                                                     ".gguf of consolidate's hf/ for llama.cpp and Ollama: f16, "
+                                                     "q8_0, q4_0 (head and embedding at q8_0); the benchmark gates "
+                                                     "each as gguf_<type> when llama-cpp-python is installed. Needs "
+                                                     "consolidate.hf_layout.")
 
     @model_validator(mode="after")
     def _opset(self) -> ExportSection:
@@ -545,6 +550,11 @@ Fp32Gate, Fp16Gate, Int8Gate, OmGate = (_gate("fp32", 0.001, 0.995), _gate("fp16
 # 0.994 (with every weight MatMul quantized it was +0.24% / 0.935, KL 50x). Limits ~10x the increase
 # (at least 2%), top-1 floors several points below.
 Int4Gate, Int8wGate, Int8sGate = _gate("int4", 0.10, 0.85), _gate("int8w", 0.02, 0.97), _gate("int8s", 0.02, 0.97)
+# llama.cpp's files of the same weights (export.gguf) are held to the limits of the onnxruntime variant of
+# the same width: f16 as fp16, q8_0 as int8w, q4_0 as int4.
+GgufF16Gate, GgufQ80Gate, GgufQ40Gate = (_gate("gguf_f16", Fp16Gate().max_ppl_increase, Fp16Gate().min_top1),
+                                         _gate("gguf_q8_0", Int8wGate().max_ppl_increase, Int8wGate().min_top1),
+                                         _gate("gguf_q4_0", Int4Gate().max_ppl_increase, Int4Gate().min_top1))
 
 
 class QualitySection(Section):
@@ -564,6 +574,12 @@ class QualitySection(Section):
     int8s: Int8sGate = Res(default_factory=Int8sGate, added=True,
                            description="Limits for ORT int8s (static, calibrated).")
     om: OmGate = Res(default_factory=OmGate, description="Limits for the OM model (ais_bench).")
+    gguf_f16: GgufF16Gate = Res(default_factory=GgufF16Gate, added=True,
+                                description="Limits for export.gguf's f16 file in llama.cpp.")
+    gguf_q8_0: GgufQ80Gate = Res(default_factory=GgufQ80Gate, added=True,
+                                 description="Limits for export.gguf's q8_0 file in llama.cpp.")
+    gguf_q4_0: GgufQ40Gate = Res(default_factory=GgufQ40Gate, added=True,
+                                 description="Limits for export.gguf's q4_0 file in llama.cpp.")
 
 
 class WeightOnlySection(Section):
@@ -625,7 +641,7 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
 # Defaults from measurement (benchmarks/quantize.py; see the README's "Quantised variants"). int4's ORT graph
 # (the builder's kernels): blocks of 128 decode the small flavor 1.30x / 1.10x (batch 1 / 8) as fast as blocks
 # of 32, at a KL of 4.7e-3 against 3.4e-3 and top-1 0.925 against 0.946 on the tiny demo (gate: 0.85).
-Int4Quant, Int8wQuant = _weight_only("int4", 4, 32, 4, 128), _weight_only("int8w", 8, 32, 4, None)
+Int4Quant, Int8wQuant = _weight_only("int4", 4, 32, 4, None, "hqq", 8), _weight_only("int8w", 8, 32, 4, None)
 
 
 class QuantizeSection(Section):

@@ -8,7 +8,8 @@ rotary embedding pairs neighbouring dimensions, Hugging Face's pairs the two hal
 
 Types (`QUANT_TYPES`): f16 (every matrix in half precision), q8_0 (blocks of 32 int8 and one fp16 scale) and
 q4_0 (blocks of 32 4-bit and one scale; the token embedding and the output head at q8_0, as llama.cpp's own
-4-bit files keep the most sensitive matrices wider). The norms stay f32 in every type. The quantisation is
+4-bit files keep the most sensitive matrices wider). The norms stay f32 in every type, and a matrix whose rows
+are not whole blocks of 32 stays f16 (as llama.cpp's own converter does). The quantisation is
 gguf.quants' numpy port of llama.cpp's reference quantisers.
 """
 
@@ -61,6 +62,8 @@ def _tensor_type(name: str, array: np.ndarray, qtype: str):
     if qtype == "f16":
         return array.astype(np.float16), T.F16
     want = T.Q8_0 if qtype == "q8_0" or name in _WIDE else T.Q4_0
+    if array.shape[-1] % gguf.GGML_QUANT_SIZES[want][0]:  # rows not in whole blocks: f16, as convert_hf_to_gguf
+        return array.astype(np.float16), T.F16
     return gguf.quants.quantize(array.astype(np.float32), want), want
 
 
@@ -116,6 +119,9 @@ def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe") ->
     if config.get("model_type") != "llama":
         raise StageError(f"GGUF export: {hf_dir / 'config.json'} has model_type {config.get('model_type')!r}; "
                          "only llama is written")
+    if config.get("rope_scaling"):
+        raise StageError(f"GGUF export: {hf_dir / 'config.json'} has rope_scaling {config['rope_scaling']}, "
+                         "which this writer does not carry over; export without export.gguf")
     heads = int(config["num_attention_heads"])
     kv = int(config.get("num_key_value_heads") or heads)
     dim = int(config["hidden_size"])
