@@ -264,7 +264,7 @@ def llama_cpp_reason() -> str | None:
 
 def gate_verdict(variant: str, metrics: dict) -> str:
     v = quality.judge({variant: metrics}, QualitySection())[0]
-    return "pass" if v.passed else f"fail ({'ppl' if v.metric == 'max_ppl_increase' else 'top-1'} {v.limit:g})"
+    return "pass" if v.passed else f"fail ({v.metric} {v.limit:g})"
 
 
 def main(argv=None) -> None:

@@ -521,17 +521,21 @@ class GateSection(Section):
                                          "torch fp32 on the validation text (0.01 = 1%); null: no limit.")
     min_top1: float | None = Res(None, ge=0, le=1, description="Smallest top-1 agreement with torch fp32 on "
                                  "the validation text; null: no limit.")
+    max_kl: float | None = Res(None, ge=0, added=True, description="Largest mean KL(torch fp32 || variant) per "
+                               "token on the validation text (nats); null: no limit.")
 
 
-def _gate(name: str, ppl: float, top1: float) -> Any:
+def _gate(name: str, ppl: float, top1: float, kl: float | None = None) -> Any:
     """A GateSection subclass whose defaults are this variant's, so that setting one limit
     (`--set benchmark.quality.int8.min_top1=0.9`) keeps the other's default."""
     cls = type(f"{name.capitalize()}Gate", (GateSection,), {
-        "__annotations__": {"max_ppl_increase": "float | None", "min_top1": "float | None"},
+        "__annotations__": {"max_ppl_increase": "float | None", "min_top1": "float | None", "max_kl": "float | None"},
         "max_ppl_increase": Res(ppl, ge=0, description=f"Largest relative perplexity increase of {name} over "
                                 "torch fp32 on the validation text (0.01 = 1%); null: no limit."),
         "min_top1": Res(top1, ge=0, le=1, description=f"Smallest top-1 agreement of {name} with torch fp32 on "
                         "the validation text; null: no limit."),
+        "max_kl": Res(kl, ge=0, added=True, description=f"Largest mean KL(torch fp32 || {name}) per token on the "
+                      "validation text (nats); null: no limit."),
         "__module__": __name__,
     })
     return cls

@@ -426,10 +426,10 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int, calib:
 
 def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     """Variant -> its ORT-optimised graph folder, when export_onnx wrote ort/ (export.ort_graph): fp32 that
-    ort/; int4 / int8w (when requested) the builder's weight-only graph of consolidate's hf/ at
-    benchmark.quantize's settings (MatMulNBits, the same bits, block size, accuracy level and symmetry as
-    their portable graphs), written to variants/<name>/ort/. A builder failure fails the stage (one line,
-    its log named): the fp32 graph of the same builder has already run in export_onnx."""
+    ort/; int4 / int8w (when requested) the weight-only graph of consolidate's hf/ at benchmark.quantize's
+    settings (fused.build_weight_only: MatMulNBits, the same bits, algorithm, head width, block size, accuracy
+    level and symmetry as their portable graphs), written to variants/<name>/ort/. A builder failure fails the
+    stage (one line, its log named): the fp32 graph of the same builder has already run in export_onnx."""
     from llmpipe.export import fused
 
     export = ctx.inputs["export_onnx"][1]
