@@ -72,8 +72,10 @@ class _QuietQuantizer(logging.Filter):
         return not from_quantizer or record.levelno >= logging.ERROR
 
 
-def quantize_int8(src: Path, dst: Path) -> list[Path]:
-    """Dynamic INT8 quantization: QInt8 weights of MatMul/Gemm, activations quantized per call."""
+def quantize_int8(src: Path, dst: Path, per_channel: bool = False, keep_fp32: Sequence[str] = ()) -> list[Path]:
+    """Dynamic INT8 quantization: QInt8 weights of MatMul/Gemm (one scale per tensor, or per output channel),
+    activations quantized per call. `keep_fp32`: kinds of weight MatMuls left in fp32 (fp32_matmuls: "down",
+    "head")."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     big = sum(f.stat().st_size for f in model_files(src)) > EXTERNAL_DATA_BYTES
@@ -87,8 +89,9 @@ def quantize_int8(src: Path, dst: Path) -> list[Path]:
         # NOTE: reduce_range (7-bit weights): x86 CPUs without VNNI multiply u8 x s8 with
         # VPMADDUBSW, whose 16-bit sums saturate; on the debug model that made the max abs logit
         # diff 1.38 instead of 0.07. The cost on VNNI/ARM/GPU is one bit of weight precision.
-        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul", "Gemm"], per_channel=False,
-                         reduce_range=True, weight_type=QuantType.QInt8, use_external_data_format=big)
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul", "Gemm"], per_channel=per_channel,
+                         reduce_range=True, weight_type=QuantType.QInt8, use_external_data_format=big,
+                         nodes_to_exclude=fp32_matmuls(src, keep_fp32) if keep_fp32 else None)
     finally:
         logging.getLogger().removeFilter(quiet)
     return model_files(dst)
@@ -260,7 +263,12 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
         return quantize_static_int8(src, dst, calibration(), quantize.static_format,
                                     quantize.static_keep_fp32)
 
-    makers = {"fp16": convert_fp16, "int8": quantize_int8, "int4": weight_only("int4"),
+    def dynamic(src, dst):
+        if quantize is None:
+            return quantize_int8(src, dst)
+        return quantize_int8(src, dst, quantize.dynamic_per_channel, quantize.dynamic_keep_fp32)
+
+    makers = {"fp16": convert_fp16, "int8": dynamic, "int4": weight_only("int4"),
               "int8w": weight_only("int8w"), "int8s": static}
     variants = {"fp32": Variant("fp32", Path(fp32_path))}
     for name in names:
