@@ -94,7 +94,7 @@ def recipes() -> list[Recipe]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hf", type=Path, required=True, help="Hugging Face folder of a Llama-architecture model")
+    p.add_argument("--hf", type=Path, help="Hugging Face folder of a Llama-architecture model")
     p.add_argument("--work", type=Path, default=Path("scratch/recipes"), help="where the graphs are kept (reused)")
     p.add_argument("--recipes", default="all", help="comma-separated recipe names, or all")
     p.add_argument("--speed", default="auto", help="recipes timed: auto (fp32, the passing ones, the peers), all, "
@@ -107,6 +107,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--table", type=Path, help="print the table of an earlier --json, judged by today's default "
+                   "gates, and exit")
     a = p.parse_args(argv)
     a.threads = [int(x) for x in a.threads.split(",")]
     a.batches = [int(x) for x in a.batches.split(",")]
@@ -269,6 +271,12 @@ def gate_verdict(variant: str, metrics: dict) -> str:
 
 def main(argv=None) -> None:
     a = parse_args(argv)
+    if a.table:
+        result = json.loads(a.table.read_text())
+        for r in result["rows"].values():
+            r["gate"] = gate_verdict(r["variant"], r)
+        print(table(result))
+        return
     a.work.mkdir(parents=True, exist_ok=True)
     chosen = recipes() if a.recipes == "all" else [r for r in recipes() if r.name in a.recipes.split(",") or
                                                    r.name == "fp32"]

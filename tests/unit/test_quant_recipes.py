@@ -59,6 +59,18 @@ def test_each_recipe_loads_and_its_quality_numbers_are_computed_with_the_head_at
         assert len(widths) == 2 * 7 + 1 and widths[-1] == (head_bits or bits) and set(widths[:-1]) == {bits}, name
 
 
+def test_dynamic_int8_per_channel_keeps_the_down_projections_and_the_head_in_fp32_and_is_scored(confident):
+    from llmpipe.infer.ort import quantize_int8
+
+    root, _, ids, ref = confident
+    q = QuantizeSection()
+    quantize_int8(root / "model.onnx", root / "int8.onnx", q.dynamic_per_channel, q.dynamic_keep_fp32)
+    ops = [n.op_type for n in onnx.load(str(root / "int8.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulInteger") == 2 * 6  # wq, wk, wv, wo, w1, w3 of each layer; w2 and the head stay fp32
+    m = quality.text_metrics(ids, ref, _logits(root / "int8.onnx", ids))
+    assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, m
+
+
 def test_a_recipe_forced_to_damage_the_model_is_rejected_by_the_default_gates_and_4_bit_is_not(confident):
     root, _, ids, ref = confident
     gates = QualitySection()
@@ -76,6 +88,7 @@ def test_the_int4_default_is_hqq_with_the_head_at_8_bits_and_reaches_the_builder
 
     q = QuantizeSection()
     assert (q.int4.algorithm, q.int4.head_bits, q.int8w.algorithm, q.int8w.head_bits) == ("hqq", 8, "rtn", None)
+    assert (q.dynamic_per_channel, q.dynamic_keep_fp32) == (True, ["down", "head"])
     rtn = QuantizeSection.model_validate({"int4": {"algorithm": "rtn"}}).int4
     assert fused.weight_only_options(rtn)[1]["matmul_mixed_precision"] == "last_matmul:int8"
     assert "matmul_mixed_precision" not in fused.weight_only_options(q.int8w)[1]
@@ -102,7 +115,7 @@ def test_gguf_export_round_trips_names_shapes_and_types(hf_folder, tmp_path):
     weights = load_file(str(hf_folder / "model.safetensors"))
     config = json.loads((hf_folder / "config.json").read_text())
     T = gguf.GGMLQuantizationType
-    for qtype, matrix, wide in (("f16", T.F16, T.F16), ("q8_0", T.Q8_0, T.Q8_0), ("q4_0", T.Q4_0, T.Q8_0)):
+    for qtype, matrix, wide in (("f16", T.F16, T.F16), ("q4_0", T.Q4_0, T.Q8_0)):  # q4_0 holds q8_0 too
         reader = gguf.GGUFReader(gguf_export.write(hf_folder, tmp_path / f"m-{qtype}.gguf", qtype))
         tensors = {t.name: t for t in reader.tensors}
         assert set(tensors) == {gguf_export.gguf_name(k) for k in weights}, qtype
@@ -117,9 +130,9 @@ def test_gguf_export_round_trips_names_shapes_and_types(hf_folder, tmp_path):
         assert reader.fields["llama.block_count"].contents() == config["num_hidden_layers"]
         assert reader.fields["llama.attention.head_count_kv"].contents() == config["num_key_value_heads"]
         assert len(reader.fields["tokenizer.ggml.tokens"].data) == config["vocab_size"]
-    # q8_0 reads back within one quantisation step of the weights (the up projection, unpermuted)
-    t = next(t for t in gguf.GGUFReader(tmp_path / "m-q8_0.gguf").tensors if t.name == "blk.0.ffn_up.weight")
-    w = weights["model.layers.0.mlp.up_proj.weight"]
+    # q8_0 (the head of the q4_0 file) reads back within one quantisation step of the weights
+    t = next(t for t in gguf.GGUFReader(tmp_path / "m-q4_0.gguf").tensors if t.name == "output.weight")
+    w = weights["lm_head.weight"]
     back = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
     assert float(np.abs(back - w).max()) <= float(np.abs(w).max()) / 127 + 1e-6
 
