@@ -107,6 +107,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json", type=Path)
+    p.add_argument("--no-quality", action="store_true", help="time --speed's recipes only (give --speed names)")
     p.add_argument("--table", type=Path, help="print the table of an earlier --json, judged by today's default "
                    "gates, and exit")
     a = p.parse_args(argv)
@@ -274,7 +275,8 @@ def main(argv=None) -> None:
     if a.table:
         result = json.loads(a.table.read_text())
         for r in result["rows"].values():
-            r["gate"] = gate_verdict(r["variant"], r)
+            if "kl" in r:
+                r["gate"] = gate_verdict(r["variant"], r)
         print(table(result))
         return
     a.work.mkdir(parents=True, exist_ok=True)
@@ -294,8 +296,11 @@ def main(argv=None) -> None:
         print(f"{r.name}: built in {time.perf_counter() - t0:.0f}s", flush=True)
     rows: dict[str, dict] = {}
     cache = max(a.seq, a.prompt + a.new) + 8
-    ref = runner(chosen[0], folders["fp32"], 2, cache, True).logits(ids)
+    ref = None if a.no_quality else runner(chosen[0], folders["fp32"], 2, cache, True).logits(ids)
     for r in chosen:
+        if a.no_quality:  # speed only (an earlier --json has the quality of the same graphs)
+            rows[r.name] = {"variant": r.variant, "kind": r.kind, "bytes": model_bytes(folders[r.name]), "decode": {}}
+            continue
         t0 = time.perf_counter()
         cand = ref if r.name == "fp32" else runner(r, folders[r.name], 2, cache, True).logits(ids)
         m = quality.text_metrics(ids, ref, cand)
@@ -347,8 +352,9 @@ def table(result: dict) -> str:
     for name, r in result["rows"].items():
         speed = [("{median:.0f} ({min:.0f}-{max:.0f})".format(**r["decode"][k]) if k in r["decode"] else "-")
                  for k in keys]
-        lines.append(f"| {name} | {r['variant']} | {r['bytes'] / 1e6:.0f} | {100 * r['ppl_increase']:+.2f}% | "
-                     f"{r['kl']:.4f} | {r['top1']:.3f} | {r['gate']} | " + " | ".join(speed) + " |")
+        q = (f"{100 * r['ppl_increase']:+.2f}% | {r['kl']:.4f} | {r['top1']:.3f} | {r['gate']}" if "kl" in r
+             else "- | - | - | -")
+        lines.append(f"| {name} | {r['variant']} | {r['bytes'] / 1e6:.0f} | {q} | " + " | ".join(speed) + " |")
     for name, why in result.get("skipped", {}).items():
         lines.append(f"| {name} | skipped: {why} |" + " |" * (5 + len(keys)))
     return "\n".join(lines)
