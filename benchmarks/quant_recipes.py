@@ -73,7 +73,7 @@ def recipes() -> list[Recipe]:
         int4("b128-asym", 128, False), int4("b32-asym", 32, False), int4("b32-sym", 32, True),
         int4("b32-asym-head8", 32, False, **head8), int4("b128-asym-head8", 128, False, **head8),
         int4("b32-asym-head8-kq", 32, False, algo_config="k_quant", **head8),
-        int4("b256-sym", 256, True),
+        int4("b256-sym", 256, True), int4("b32-sym-head8-kq", 32, True, algo_config="k_quant", **head8),
         Recipe("hqq-b32", "int4", "hqq", {"block_size": 32}),
         Recipe("hqq-b32-head8", "int4", "hqq", {"block_size": 32, "head8": True}),
         Recipe("hqq-b64-head8", "int4", "hqq", {"block_size": 64, "head8": True}),

@@ -83,15 +83,16 @@ def test_a_recipe_forced_to_damage_the_model_is_rejected_by_the_default_gates_an
     assert verdicts["rtn2"].message().startswith("benchmark: int4 fails its quality gate: ")
 
 
-def test_the_int4_default_is_hqq_with_the_head_at_8_bits_and_reaches_the_builder_options():
+def test_the_int4_default_keeps_the_head_at_8_bits_in_both_graphs_and_hqq_is_an_option():
     from llmpipe.export import fused
 
     q = QuantizeSection()
-    assert (q.int4.algorithm, q.int4.head_bits, q.int8w.algorithm, q.int8w.head_bits) == ("hqq", 8, "rtn", None)
+    assert (q.int4.algorithm, q.int4.head_bits, q.int4.block_size, q.int4.ort_block_size) == ("rtn", 8, 32, None)
+    assert (q.int8w.algorithm, q.int8w.head_bits) == ("rtn", None)
     assert (q.dynamic_per_channel, q.dynamic_keep_fp32) == (True, ["down", "head"])
-    rtn = QuantizeSection.model_validate({"int4": {"algorithm": "rtn"}}).int4
-    assert fused.weight_only_options(rtn)[1]["matmul_mixed_precision"] == "last_matmul:int8"
+    assert fused.weight_only_options(q.int4)[1]["matmul_mixed_precision"] == "last_matmul:int8"
     assert "matmul_mixed_precision" not in fused.weight_only_options(q.int8w)[1]
+    assert QuantizeSection.model_validate({"int4": {"algorithm": "hqq"}}).int4.algorithm == "hqq"
 
 
 # ------------------------------------------------------------------------------------------------ GGUF
