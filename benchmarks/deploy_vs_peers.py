@@ -158,12 +158,13 @@ def runners(model: Transformer, hf: Path, a: argparse.Namespace, folder: Path) -
                 create_session(p, cpu, a.threads), create_session(d, cpu, a.threads), model.args, a.cache))
     quantize = QuantizeSection()  # the pipeline's defaults: what its int4 / int8w variants are built with
     builds = {"genai-fp32": ("fp32", None), "genai-int4": ("int4", None), "fused-fp32": ("fp32", None),
-              "fused-int4": fused.weight_only_options(quantize.int4),
-              "fused-int8w": fused.weight_only_options(quantize.int8w)}
+              "fused-int4": quantize.int4, "fused-int8w": quantize.int8w}
     for name in [e for e in a.engines if e in builds]:
-        precision, extra = builds[name]
         t0 = time.perf_counter()
-        built = fused.build(hf, folder / name, precision, extra).parent
+        if name in ("fused-int4", "fused-int8w"):  # as the benchmark stage builds them (rtn or hqq, head_bits)
+            built = fused.build_weight_only(hf, folder / name, builds[name]).parent
+        else:
+            built = fused.build(hf, folder / name, *builds[name]).parent
         print(f"  builder {name}: {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         if name.startswith("genai-"):
             out[name] = GenaiRunner(built, a.threads)

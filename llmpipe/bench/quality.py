@@ -30,7 +30,8 @@ from llmpipe.stages import StageError
 
 # gate field -> (metric in text_metrics, words in the message, True when the value must stay below)
 _LIMITS = {"max_ppl_increase": ("ppl_increase", "perplexity", True),
-           "min_top1": ("top1", "top-1 agreement", False)}
+           "min_top1": ("top1", "top-1 agreement", False),
+           "max_kl": ("kl", "KL", True)}
 
 
 # ---- the validation sample ------------------------------------------------------------------

@@ -426,10 +426,10 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int, calib:
 
 def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     """Variant -> its ORT-optimised graph folder, when export_onnx wrote ort/ (export.ort_graph): fp32 that
-    ort/; int4 / int8w (when requested) the builder's weight-only graph of consolidate's hf/ at
-    benchmark.quantize's settings (MatMulNBits, the same bits, block size, accuracy level and symmetry as
-    their portable graphs), written to variants/<name>/ort/. A builder failure fails the stage (one line,
-    its log named): the fp32 graph of the same builder has already run in export_onnx."""
+    ort/; int4 / int8w (when requested) the weight-only graph of consolidate's hf/ at benchmark.quantize's
+    settings (fused.build_weight_only: MatMulNBits, the same bits, algorithm, head width, block size, accuracy
+    level and symmetry as their portable graphs), written to variants/<name>/ort/. A builder failure fails the
+    stage (one line, its log named): the fp32 graph of the same builder has already run in export_onnx."""
     from llmpipe.export import fused
 
     export = ctx.inputs["export_onnx"][1]
@@ -440,15 +440,16 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     folder, manifest = ctx.inputs["consolidate"]
     hf = manifest.path(folder, "hf/config.json").parent
     for name in fused.ORT_VARIANTS:
-        options = fused.weight_only_options(getattr(cfg.quantize, name)) if name in cfg.variants else None
+        section = getattr(cfg.quantize, name)
+        options = fused.weight_only_options(section) if name in cfg.variants else None
         if options is None:
             continue
         t0 = time.perf_counter()
         try:
-            out[name] = fused.build(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, *options).parent
+            out[name] = fused.build_weight_only(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, section).parent
         except StageError as err:
             raise StageError(f"benchmark: the {name} variant's {err}") from None
-        log.info("variant %s: ORT-optimised graph (the builder, %s, %s) in %.1fs", name, options[0],
+        log.info("variant %s: ORT-optimised graph (%s, %s, %s) in %.1fs", name, section.algorithm, options[0],
                  " ".join(f"{k}={v}" for k, v in options[1].items()), time.perf_counter() - t0)
     return out
 
@@ -470,6 +471,24 @@ def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:
     eos = tokenizer.token_to_id(render.get("eos_token") or ctx.cfg.data.tokenizer.eos_token)
     stops = ([eos] if eos is not None else []) + single_token_ids(tokenizer, tpl.end_of_turn)
     return prompt, ctx.cfg.benchmark.llm.sample_tokens, stops, tpl.end_of_turn
+
+
+def gguf_results(ctx: StageContext, models, threads: int) -> dict[str, Any] | None:
+    """export.gguf's files in llama.cpp, gated as gguf_<type> (llmpipe.bench.gguf_variants), scored on the
+    quality measurement's windows; None when export_onnx wrote none."""
+    from llmpipe.bench import deploy, gguf_variants, quality
+
+    folder, manifest = ctx.inputs["export_onnx"]
+    found = gguf_variants.files(folder, manifest.outputs)
+    if not found:
+        return None
+    cfg = ctx.cfg.benchmark
+    ids = ref = None
+    if gguf_variants.unavailable_reason() is None:
+        T = min(cfg.quality.seq_len or ctx.cfg.data.seq_len, models.args.max_seq_len)
+        ids = quality.val_sample(ctx.input_path("prepare_data", "val_bin"), cfg.quality.samples, T, ctx.cfg.run.seed)
+        ref = deploy._logits_torch(models.torch_model, ids)  # the same windows and reference as quality_results
+    return gguf_variants.results(found, ids, ref, cfg, threads, models.args.vocab_size, ctx.cfg.run.seed)
 
 
 SERVING_PLOT, SERVING_LOG = "serving.png", "serving.log"
@@ -510,7 +529,7 @@ def serving_markdown(serving: dict | None) -> str:
 
 def run(ctx: StageContext) -> StageResult:
     """The benchmark stage: results.json, results.md, the plots and variants/ in ctx.work_dir."""
-    from llmpipe.bench import calibrate, deploy
+    from llmpipe.bench import calibrate, deploy, gguf_variants
     from llmpipe.bench.plot import tpot_plot, ttft_plot
     from llmpipe.data.tokenizer import load_tokenizer
     from llmpipe.models.llama.io import TOKENIZER
@@ -546,6 +565,7 @@ def run(ctx: StageContext) -> StageResult:
         results["quality"] = deploy.quality_results(models, ctx.input_path("prepare_data", "val_bin"),
                                                     ctx.inputs["train"][0], cfg, ctx.cfg.data.seq_len,
                                                     ctx.cfg.run.seed)
+        results["gguf"] = gguf_results(ctx, models, threads)
     if cfg.serving.enabled:
         results["serving"] = serving_results(ctx, threads)
     results["om"] = "om: measured through ais_bench" if models.om else f"om: not measured, {models.om_reason}"
@@ -554,7 +574,8 @@ def run(ctx: StageContext) -> StageResult:
     (ctx.work_dir / TABLE_FILE).write_text(
         f"# Benchmark: {ctx.cfg.run.name}\n\n## Prefill throughput\n\n{markdown_table(results)}\n"
         f"## Generation\n\n{llm.markdown(results['llm'])}\n## Quality\n\n"
-        f"{deploy.quality_markdown(results['quality'])}{serving_markdown(results.get('serving'))}", encoding="utf-8")
+        f"{deploy.quality_markdown(results['quality'])}{gguf_variants.markdown(results.get('gguf'))}"
+        f"{serving_markdown(results.get('serving'))}", encoding="utf-8")
     latency_plot(results, ctx.work_dir / PLOT_FILE)
     ttft_plot(results["llm"], ctx.work_dir / TTFT_PLOT)
     tpot_plot(results["llm"], ctx.work_dir / TPOT_PLOT)

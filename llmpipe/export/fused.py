@@ -43,8 +43,45 @@ def weight_only_options(section) -> tuple[str, dict[str, str]] | None:
     if precision is None:
         return None
     block = section.ort_block_size or section.block_size
-    return precision, {"block_size": str(block), "accuracy_level": str(section.accuracy_level),
-                       "is_symmetric": "true" if section.symmetric else "false"}
+    extra = {"block_size": str(block), "accuracy_level": str(section.accuracy_level),
+             "is_symmetric": "true" if section.symmetric else "false"}
+    if section.head_bits and section.head_bits != section.bits:
+        extra["matmul_mixed_precision"] = f"last_matmul:int{section.head_bits}"
+    return precision, extra
+
+
+def build_weight_only(hf_dir: Path, out_dir: Path, section, timeout_s: float = 3600) -> Path:
+    """The CPU graph of a benchmark.quantize.<variant> section (WeightOnlySection) in `out_dir`: round to
+    nearest (algorithm rtn) is the builder's own quantization (weight_only_options); hqq is the builder's
+    fp32 graph quantized by onnxruntime's MatMulNBitsQuantizer with its HQQ algorithm (the builder has no
+    such option), the head at head_bits, the same MatMulNBits ops. Returns out_dir/model.onnx; StageError
+    when the section has no ORT graph (2 bits) or the builder fails."""
+    from llmpipe.infer.ort import quantize_weight_only
+
+    options = weight_only_options(section)
+    if options is None:
+        raise StageError(f"ORT-optimised graph: {section.bits}-bit weights are not a precision of the builder")
+    if section.algorithm == "rtn":
+        return build(hf_dir, out_dir, *options, timeout_s=timeout_s)
+    out_dir = Path(out_dir)
+    fp32 = build(hf_dir, out_dir.with_name(out_dir.name + ".fp32"), "fp32", timeout_s=timeout_s).parent
+    tmp = out_dir.with_name(out_dir.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(fp32, tmp, ignore=shutil.ignore_patterns("model.onnx", "model.onnx.data"))
+    try:
+        quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", section.bits,
+                             section.ort_block_size or section.block_size, section.accuracy_level,
+                             section.symmetric, section.algorithm, section.head_bits)
+    except Exception as err:  # the quantizer's failure names the graph; nothing half-written is left
+        shutil.rmtree(tmp, ignore_errors=True)
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise StageError(f"ORT-optimised graph: onnxruntime's {section.algorithm} quantization of {fp32} failed: "
+                         f"{type(err).__name__}: {first}") from None
+    finally:
+        shutil.rmtree(fp32, ignore_errors=True)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    tmp.rename(out_dir)
+    return out_dir / "model.onnx"
 
 
 # config.json architectures the builder makes a graph of (onnxruntime-genai 0.18's builder.py), among those

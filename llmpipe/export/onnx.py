@@ -66,6 +66,7 @@ log = logging.getLogger("llmpipe.export")
 
 PARITY_FILE = "parity.json"
 ORT_DIR = "ort"  # onnxruntime's own graph (llmpipe.export.fused), fp32
+GGUF_DIR = "gguf"  # export.gguf: llama.cpp's files of the consolidated weights (llmpipe.export.gguf)
 # NOTE: trace with batch != seq and neither equal to 1: the tracer may bake a size-1 dimension
 # into broadcasts, or confuse two equal dimensions, which would break the dynamic axes.
 TRACE_SHAPE = (2, 16)
@@ -419,6 +420,7 @@ def run(ctx: StageContext) -> StageResult:
     cfg = ctx.cfg.export
     template = _chat_template(ctx)  # before any work: a drifted template is refused in a second
     hf_dir = _ort_graph_source(ctx)  # before any work too: export.ort_graph with no builder or no hf/
+    gguf_src = _gguf_source(ctx)  # and export.gguf with no hf/
     model = _load(ctx)
     check_shapes(cfg.parity_shapes, model.args.max_seq_len, "export.parity_shapes")
     path = ctx.work_dir / MODEL_FILE
@@ -474,6 +476,7 @@ def run(ctx: StageContext) -> StageResult:
         log.info("ort/ (onnxruntime-genai's builder, %.1fs): greedy %s PyTorch's, max abs logit diff %.3g",
                  time.perf_counter() - t1, "identical to" if report["ort_graph"]["identical_tokens"] else
                  "DIFFERENT from", report["ort_graph"]["max_abs_diff"])
+    outputs.update(_gguf_files(ctx, gguf_src))
     same_tokens = all(report.get(k, {}).get("identical_tokens", True) for k in ("static_decoder", "ort_graph"))
     report = {"atol": cfg.parity_atol, "passed": worst <= cfg.parity_atol and same_tokens, **report}
     write_json_atomic(ctx.work_dir / PARITY_FILE, report)
@@ -524,6 +527,34 @@ def _ort_graph_source(ctx: StageContext) -> Path | None:
     if reason:
         raise StageError(f"export.ort_graph: {reason}")
     return manifest.path(folder, "hf/config.json").parent
+
+
+def _gguf_source(ctx: StageContext) -> Path | None:
+    """consolidate's hf/ folder when export.gguf asks for files, else None; a StageError naming the field
+    when there is no hf/ (checked before any work)."""
+    if not ctx.cfg.export.gguf:
+        return None
+    folder, manifest = ctx.inputs["consolidate"]
+    if not any(name.startswith("hf/") for name in manifest.outputs):
+        raise StageError("export.gguf: consolidate wrote no hf/ folder (set consolidate.hf_layout: true)")
+    return manifest.path(folder, "hf/config.json").parent
+
+
+def _gguf_files(ctx: StageContext, hf_dir: Path | None) -> dict[str, str]:
+    """export.gguf: consolidate's hf/ as gguf/model-<type>.gguf for each type (llmpipe.export.gguf); the
+    manifest's outputs gguf_<type>."""
+    from llmpipe.export import gguf
+
+    if hf_dir is None:
+        return {}
+    (ctx.work_dir / GGUF_DIR).mkdir(exist_ok=True)
+    out = {}
+    for qtype in ctx.cfg.export.gguf:
+        t0 = time.perf_counter()
+        path = gguf.write(hf_dir, ctx.work_dir / GGUF_DIR / f"model-{qtype}.gguf", qtype, ctx.cfg.run.name)
+        log.info("GGUF %s: %s (%d bytes) in %.1fs", qtype, path, path.stat().st_size, time.perf_counter() - t0)
+        out[f"gguf_{qtype}"] = path.relative_to(ctx.work_dir).as_posix()
+    return out
 
 
 def _chat_template(ctx: StageContext) -> str | None:

@@ -72,8 +72,10 @@ class _QuietQuantizer(logging.Filter):
         return not from_quantizer or record.levelno >= logging.ERROR
 
 
-def quantize_int8(src: Path, dst: Path) -> list[Path]:
-    """Dynamic INT8 quantization: QInt8 weights of MatMul/Gemm, activations quantized per call."""
+def quantize_int8(src: Path, dst: Path, per_channel: bool = False, keep_fp32: Sequence[str] = ()) -> list[Path]:
+    """Dynamic INT8 quantization: QInt8 weights of MatMul/Gemm (one scale per tensor, or per output channel),
+    activations quantized per call. `keep_fp32`: kinds of weight MatMuls left in fp32 (fp32_matmuls: "down",
+    "head")."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     big = sum(f.stat().st_size for f in model_files(src)) > EXTERNAL_DATA_BYTES
@@ -87,8 +89,9 @@ def quantize_int8(src: Path, dst: Path) -> list[Path]:
         # NOTE: reduce_range (7-bit weights): x86 CPUs without VNNI multiply u8 x s8 with
         # VPMADDUBSW, whose 16-bit sums saturate; on the debug model that made the max abs logit
         # diff 1.38 instead of 0.07. The cost on VNNI/ARM/GPU is one bit of weight precision.
-        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul", "Gemm"], per_channel=False,
-                         reduce_range=True, weight_type=QuantType.QInt8, use_external_data_format=big)
+        quantize_dynamic(src, dst, op_types_to_quantize=["MatMul", "Gemm"], per_channel=per_channel,
+                         reduce_range=True, weight_type=QuantType.QInt8, use_external_data_format=big,
+                         nodes_to_exclude=fp32_matmuls(src, keep_fp32) if keep_fp32 else None)
     finally:
         logging.getLogger().removeFilter(quiet)
     return model_files(dst)
@@ -99,13 +102,16 @@ def _size(src: Path) -> int:
 
 
 def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int,
-                         symmetric: bool = False) -> list[Path]:
+                         symmetric: bool = False, algorithm: str = "rtn", head_bits: int | None = None) -> list[Path]:
     """Weight-only quantization with onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant
     weight becomes MatMulNBits (`bits`-bit weights in blocks of `block_size` input rows, one fp32 scale
     and zero point per block); activations stay fp32 unless `accuracy_level` 4 (int8 activations inside
-    the kernel, its fastest CPU path). The attention products (no constant weight) are left as they are."""
+    the kernel, its fastest CPU path). The attention products (no constant weight) are left as they are.
+    `algorithm`: rtn (round to nearest from each block's range) or hqq (the quantizer's half-quadratic
+    optimisation of scales and float zero points). `head_bits`: the output head's width when it differs
+    (8: a second round-to-nearest pass over the head alone, which on SmolLM2-135M is what keeps 4-bit within
+    its gates; docs/measurements/quantisation.md)."""
     import onnx
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     # NOTE: the quantizer's module logger has a handler of its own and logs a line per node at INFO.
     own = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -113,17 +119,43 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     own.setLevel(logging.ERROR)
     logging.getLogger().addFilter(quiet)
     try:
-        quantizer = MatMulNBitsQuantizer(onnx.load(str(src)), bits=bits, block_size=block_size,
-                                         is_symmetric=symmetric, accuracy_level=accuracy_level or None,
-                                         op_types_to_quantize=("MatMul",))
-        quantizer.process()
+        head = fp32_matmuls(src, ["head"]) if head_bits and head_bits != bits else []
+        model = _nbits(onnx.load(str(src)), bits, block_size, accuracy_level, symmetric, algorithm, exclude=head)
+        if head:
+            # NOTE: blocks of 32 for the head, as llama.cpp's q8_0 (what the shipped SmolLM2 GGUF keeps it at)
+            model = _nbits(model, head_bits, 32, accuracy_level, symmetric, "rtn", include=head)
         # NOTE: the embedding stays fp32 (MatMul weights only), so the result's size is not bits/32 of
         # the source's: a source that needed external data writes its variant with external data too.
-        quantizer.model.save_model_to_file(str(dst), use_external_data_format=_size(src) > EXTERNAL_DATA_BYTES)
+        from onnxruntime.quantization.onnx_model import ONNXModel
+
+        ONNXModel(model).save_model_to_file(str(dst), use_external_data_format=_size(src) > EXTERNAL_DATA_BYTES)
     finally:
         own.setLevel(level)
         logging.getLogger().removeFilter(quiet)
     return model_files(dst)
+
+
+def _nbits(model, bits: int, block_size: int, accuracy_level: int, symmetric: bool, algorithm: str,
+           exclude: Sequence[str] = (), include: Sequence[str] | None = None):
+    """One MatMulNBitsQuantizer pass over `model` (a ModelProto): the weight MatMuls of `include` (all when
+    None) but `exclude`. Returns the quantized ModelProto."""
+    from onnxruntime.quantization import matmul_nbits_quantizer as mq
+
+    algo = mq.HQQWeightOnlyQuantConfig(block_size=block_size, bits=bits) if algorithm == "hqq" else None
+    quantizer = mq.MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=symmetric,
+                                        accuracy_level=accuracy_level or None, nodes_to_exclude=list(exclude),
+                                        nodes_to_include=list(include) if include is not None else None,
+                                        op_types_to_quantize=("MatMul",), algo_config=algo)
+    quantizer.process()
+    out = quantizer.model.model
+    if algorithm == "hqq" and accuracy_level:
+        # NOTE: the HQQ pass writes its MatMulNBits nodes without accuracy_level (0: fp32 activations)
+        import onnx
+
+        for node in out.graph.node:
+            if node.op_type == "MatMulNBits" and not any(a.name == "accuracy_level" for a in node.attribute):
+                node.attribute.append(onnx.helper.make_attribute("accuracy_level", accuracy_level))
+    return out
 
 
 def weight_matmuls(path: Path) -> list[str]:
@@ -222,7 +254,7 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
                 raise ValueError(f"{variant} needs the benchmark.quantize settings, none were given")
             section = getattr(quantize, variant)
             return quantize_weight_only(src, dst, section.bits, section.block_size, section.accuracy_level,
-                                        section.symmetric)
+                                        section.symmetric, section.algorithm, section.head_bits)
         return make
 
     def static(src, dst):
@@ -231,7 +263,12 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
         return quantize_static_int8(src, dst, calibration(), quantize.static_format,
                                     quantize.static_keep_fp32)
 
-    makers = {"fp16": convert_fp16, "int8": quantize_int8, "int4": weight_only("int4"),
+    def dynamic(src, dst):
+        if quantize is None:
+            return quantize_int8(src, dst)
+        return quantize_int8(src, dst, quantize.dynamic_per_channel, quantize.dynamic_keep_fp32)
+
+    makers = {"fp16": convert_fp16, "int8": dynamic, "int4": weight_only("int4"),
               "int8w": weight_only("int8w"), "int8s": static}
     variants = {"fp32": Variant("fp32", Path(fp32_path))}
     for name in names:

@@ -394,8 +394,9 @@ def test_the_builders_options_follow_the_runs_quantize_settings():
     from llmpipe.config import QuantizeSection
 
     q = QuantizeSection()
-    assert fused.weight_only_options(q.int4) == ("int4", {"block_size": "128", "accuracy_level": "4",
-                                                          "is_symmetric": "false"})
+    assert fused.weight_only_options(q.int4) == ("int4", {"block_size": "32", "accuracy_level": "4",
+                                                          "is_symmetric": "false",
+                                                          "matmul_mixed_precision": "last_matmul:int8"})
     assert fused.weight_only_options(q.int8w) == ("int8", {"block_size": "32", "accuracy_level": "4",
                                                            "is_symmetric": "false"})
     q = QuantizeSection.model_validate({"int4": {"bits": 2}, "int8w": {"symmetric": True, "ort_block_size": 64}})
@@ -412,7 +413,7 @@ def test_ort_block_size_defines_the_result_but_a_run_made_before_it_keeps_its_fi
             "export": {"ort_graph": True}, "benchmark": {"variants": ["fp32", "int4"]}}
     before = fingerprints(from_dict(base))
     at_default = fingerprints(from_dict({**base, "benchmark": {**base["benchmark"],
-                                                               "quantize": {"int4": {"ort_block_size": 128}}}}))
+                                                               "quantize": {"int4": {"ort_block_size": None}}}}))
     changed = fingerprints(from_dict({**base, "benchmark": {**base["benchmark"],
                                                             "quantize": {"int4": {"ort_block_size": 64}}}}))
     assert at_default == before

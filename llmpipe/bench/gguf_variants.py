@@ -1,0 +1,126 @@
+"""The benchmark's GGUF variants: export_onnx's gguf/ files (export.gguf) run by llama.cpp and judged by the
+same gates as the onnxruntime variants.
+
+Each file becomes a variant gguf_<type> (gguf_f16, gguf_q8_0, gguf_q4_0) with a gate of its own in
+benchmark.quality. When llama-cpp-python (the optional extra `llamacpp`) is importable, the variant is
+scored like the others (perplexity, KL and top-1 against torch fp32 on the same validation windows, its
+prompt pass with every position's logits) and its decode tokens/s measured at batch 1 (benchmark.llm's
+decode prompt and new tokens, the median of its repeats); without it, each is recorded as skipped with the
+reason and nothing fails.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llmpipe.bench import quality
+
+PREFIX = "gguf_"
+
+
+def unavailable_reason() -> str | None:
+    """Why llama.cpp cannot run the GGUF variants here, or None."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed (pip install 'llmpipe[llamacpp]')"
+    return None
+
+
+class LlamaCppEngine:
+    """llama.cpp (llama-cpp-python) behind the engines' start / step / prompt calls, one sequence at a time."""
+
+    def __init__(self, path: Path, threads: int, n_ctx: int, logits_all: bool = False):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=logits_all, verbose=False)
+
+    def prompt(self, ids: np.ndarray) -> np.ndarray:
+        """Every position's logits (B, T, vocab) of each row of `ids` (B, T), each from an empty cache."""
+        out = []
+        for row in np.asarray(ids):
+            self.llm.reset()
+            self.llm.eval(row.tolist())
+            out.append(np.array(self.llm.scores[:len(row)], dtype=np.float32))
+        return np.stack(out)
+
+    def start(self, ids: np.ndarray) -> np.ndarray:
+        if ids.shape[0] != 1:
+            raise ValueError(f"llama.cpp's engine here decodes one sequence, got a batch of {ids.shape[0]}")
+        self.llm.reset()
+        self.llm.eval(ids[0].tolist())
+        return self._last()
+
+    def step(self, tokens: np.ndarray) -> np.ndarray:
+        self.llm.eval([int(np.asarray(tokens).reshape(-1)[0])])
+        return self._last()
+
+    def _last(self) -> np.ndarray:
+        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)[None]  # (1, vocab)
+
+
+def files(export_dir: Path, outputs: dict[str, str]) -> dict[str, Path]:
+    """variant name -> its file, for every gguf_<type> export_onnx wrote."""
+    return {name: Path(export_dir) / rel for name, rel in outputs.items() if name.startswith(PREFIX)}
+
+
+def decode_rate(engine: LlamaCppEngine, prompt: np.ndarray, new: int) -> float:
+    """Decode tokens/s at batch 1 after the first token (as llmpipe.infer.decode.generate counts them)."""
+    tok = engine.start(prompt).argmax(-1)
+    t0 = time.perf_counter()
+    for _ in range(new - 1):
+        tok = engine.step(tok).argmax(-1)
+    return (new - 1) / (time.perf_counter() - t0)
+
+
+def results(found: dict[str, Path], ids: np.ndarray, ref: np.ndarray, cfg, threads: int, vocab: int,
+            seed: int) -> dict[str, Any]:
+    """results["gguf"]: per variant its file's bytes and either why it was skipped or its metrics, verdict
+    and decode tokens/s. `ids` (N, T) and `ref` (torch fp32's logits of them) are the quality windows; `cfg`
+    benchmark (its quality gates and llm decode settings). Raises StageError for a failed gate under
+    benchmark.quality.enforce, as the other variants do."""
+    reason = unavailable_reason()
+    rows: dict[str, dict[str, Any]] = {}
+    for name, path in found.items():
+        rows[name] = {"file": path.name, "bytes": path.stat().st_size}
+        if reason:
+            rows[name]["skipped"] = reason
+    if reason or not found:
+        return {"variants": rows, "rejected": []}
+    c = cfg.llm
+    n_ctx = max(ids.shape[1], c.decode_prompt_len + c.new_tokens) + 8
+    prompt = np.random.default_rng(seed).integers(1, vocab, (1, c.decode_prompt_len))
+    metrics = {}
+    for name, path in found.items():
+        metrics[name] = quality.text_metrics(ids, ref, LlamaCppEngine(path, threads, n_ctx, True).prompt(ids))
+        engine = LlamaCppEngine(path, threads, n_ctx)
+        decode_rate(engine, prompt, 4)  # warm-up
+        rates = [decode_rate(engine, prompt, c.new_tokens) for _ in range(c.repeats)]
+        rows[name].update(metrics[name], decode_tokens_per_s=float(np.median(rates)), decode_batch=1)
+    verdicts = quality.judge(metrics, cfg.quality, sequences=len(ids))
+    rejected = quality.enforce_gates(verdicts, cfg.quality.enforce)
+    for v in verdicts:
+        rows[v.variant]["verdict"] = "accepted" if v.passed else "rejected"
+        if not v.passed:
+            rows[v.variant]["rejected_because"] = v.message()
+    return {"variants": rows, "rejected": rejected}
+
+
+def markdown(g: dict[str, Any] | None) -> str:
+    """The GGUF variants' section of results.md ('' when export.gguf wrote none)."""
+    if not g or not g["variants"]:
+        return ""
+    lines = ["\n## GGUF (llama.cpp)\n",
+             "| variant | MB | ppl increase | KL | top-1 | decode tok/s (batch 1) | verdict |",
+             "|---|--:|--:|--:|--:|--:|---|"]
+    for name, r in g["variants"].items():
+        if "skipped" in r:
+            lines.append(f"| {name} | {r['bytes'] / 1e6:.1f} | - | - | - | - | skipped: {r['skipped']} |")
+            continue
+        lines.append(f"| {name} | {r['bytes'] / 1e6:.1f} | {100 * r['ppl_increase']:+.2f}% | {r['kl']:.2e} | "
+                     f"{r['top1']:.4f} | {r['decode_tokens_per_s']:.1f} | {r['verdict']} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,174 @@
+"""The quantisation recipes of benchmark.quantize (round to nearest or HQQ, the head at 8 bits, 2 bits as the
+damaged control) on the debug model, and the GGUF export (llmpipe.export.gguf) with its benchmark variants."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from llmpipe import device
+from llmpipe.bench import gguf_variants, quality
+from llmpipe.config import BenchmarkSection, QualitySection, QuantizeSection
+from llmpipe.export import gguf as gguf_export
+from llmpipe.export.onnx import export_prefill
+from llmpipe.infer.ort import create_session, quantize_weight_only
+from llmpipe.models.llama import FLAVORS, Transformer
+
+# (bits, algorithm, head_bits) of each recipe; what quant_recipes.py measures on SmolLM2-135M
+RECIPES = {"rtn-head8": (4, "rtn", 8), "hqq-head8": (4, "hqq", 8), "rtn2": (2, "rtn", None)}
+
+
+@pytest.fixture(scope="module")
+def confident(tmp_path_factory):
+    """The debug model with a head scaled up so its next-token choices are clear (random weights otherwise
+    give near-ties, where any rounding flips top-1), its prefill graph, and validation-like ids."""
+    root = tmp_path_factory.mktemp("recipes")
+    model = Transformer(FLAVORS["debug"])
+    model.init_weights(seed=0)
+    with torch.no_grad():
+        model.output.weight.mul_(30)
+    model.eval()
+    export_prefill(model, root / "model.onnx", opset=17)
+    ids = np.random.default_rng(0).integers(1, model.args.vocab_size, (4, 32))
+    return root, model, ids, _logits(root / "model.onnx", ids)
+
+
+def _logits(path: Path, ids: np.ndarray) -> np.ndarray:
+    return create_session(path, device.ort_providers(["cpu"])[0], 2).run(["logits"], {"input_ids": ids})[0]
+
+
+def _matmulnbits_bits(path: Path) -> list[int]:
+    nodes = onnx.load(str(path), load_external_data=False).graph.node
+    return [next(a.i for a in n.attribute if a.name == "bits") for n in nodes if n.op_type == "MatMulNBits"]
+
+
+def test_each_recipe_loads_and_its_quality_numbers_are_computed_with_the_head_at_its_own_width(confident):
+    root, _, ids, ref = confident
+    for name, (bits, algorithm, head_bits) in RECIPES.items():
+        out = root / f"{name}.onnx"
+        quantize_weight_only(root / "model.onnx", out, bits, 32, 4, bits == 2, algorithm, head_bits)
+        m = quality.text_metrics(ids, ref, _logits(out, ids))
+        assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, (name, m)
+        widths = _matmulnbits_bits(out)
+        # the 7 projections of each of the 2 layers, then the head (the graph's last weight MatMul)
+        assert len(widths) == 2 * 7 + 1 and widths[-1] == (head_bits or bits) and set(widths[:-1]) == {bits}, name
+
+
+def test_dynamic_int8_per_channel_keeps_the_down_projections_and_the_head_in_fp32_and_is_scored(confident):
+    from llmpipe.infer.ort import quantize_int8
+
+    root, _, ids, ref = confident
+    q = QuantizeSection()
+    quantize_int8(root / "model.onnx", root / "int8.onnx", q.dynamic_per_channel, q.dynamic_keep_fp32)
+    ops = [n.op_type for n in onnx.load(str(root / "int8.onnx"), load_external_data=False).graph.node]
+    assert ops.count("MatMulInteger") == 2 * 6  # wq, wk, wv, wo, w1, w3 of each layer; w2 and the head stay fp32
+    m = quality.text_metrics(ids, ref, _logits(root / "int8.onnx", ids))
+    assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, m
+
+
+def test_a_recipe_forced_to_damage_the_model_is_rejected_by_the_default_gates_and_4_bit_is_not(confident):
+    root, _, ids, ref = confident
+    gates = QualitySection()
+    verdicts = {}
+    for name in ("hqq-head8", "rtn2"):
+        bits, algorithm, head_bits = RECIPES[name]
+        if not (root / f"{name}.onnx").is_file():  # made by the test above when it ran
+            quantize_weight_only(root / "model.onnx", root / f"{name}.onnx", bits, 32, 4, bits == 2, algorithm,
+                                 head_bits)
+        m = quality.text_metrics(ids, ref, _logits(root / f"{name}.onnx", ids))
+        verdicts[name] = quality.judge({"int4": m}, gates)[0]
+    assert verdicts["hqq-head8"].passed, verdicts["hqq-head8"].message()
+    assert not verdicts["rtn2"].passed
+    assert verdicts["rtn2"].message().startswith("benchmark: int4 fails its quality gate: ")
+
+
+def test_the_int4_default_keeps_the_head_at_8_bits_in_both_graphs_and_hqq_is_an_option():
+    from llmpipe.export import fused
+
+    q = QuantizeSection()
+    assert (q.int4.algorithm, q.int4.head_bits, q.int4.block_size, q.int4.ort_block_size) == ("rtn", 8, 32, None)
+    assert (q.int8w.algorithm, q.int8w.head_bits) == ("rtn", None)
+    assert (q.dynamic_per_channel, q.dynamic_keep_fp32) == (True, ["down", "head"])
+    assert fused.weight_only_options(q.int4)[1]["matmul_mixed_precision"] == "last_matmul:int8"
+    assert "matmul_mixed_precision" not in fused.weight_only_options(q.int8w)[1]
+    assert QuantizeSection.model_validate({"int4": {"algorithm": "hqq"}}).int4.algorithm == "hqq"
+
+
+# ------------------------------------------------------------------------------------------------ GGUF
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory, confident):
+    from llmpipe.data.tokenizer import train_tokenizer
+    from llmpipe.export.fused import write_hf_folder
+
+    _, model, _, _ = confident
+    text = ["def main(argv):\n    return len(argv) + 1\n" * 5, "import os\nprint(os.getcwd())\n" * 5]
+    tok = train_tokenizer(text, vocab_size=model.args.vocab_size)
+    return write_hf_folder(model, tmp_path_factory.mktemp("hf") / "hf", tok)
+
+
+def test_gguf_export_round_trips_names_shapes_and_types(hf_folder, tmp_path):
+    import gguf
+    from safetensors.numpy import load_file
+
+    weights = load_file(str(hf_folder / "model.safetensors"))
+    config = json.loads((hf_folder / "config.json").read_text())
+    T = gguf.GGMLQuantizationType
+    for qtype, matrix, wide in (("f16", T.F16, T.F16), ("q4_0", T.Q4_0, T.Q8_0)):  # q4_0 holds q8_0 too
+        reader = gguf.GGUFReader(gguf_export.write(hf_folder, tmp_path / f"m-{qtype}.gguf", qtype))
+        tensors = {t.name: t for t in reader.tensors}
+        assert set(tensors) == {gguf_export.gguf_name(k) for k in weights}, qtype
+        for hf_name, w in weights.items():
+            t = tensors[gguf_export.gguf_name(hf_name)]
+            assert tuple(int(d) for d in t.shape) == w.shape[::-1], hf_name  # GGUF lists the fastest dim first
+            want = T.F32 if w.ndim == 1 else wide if hf_name in ("model.embed_tokens.weight",
+                                                                 "lm_head.weight") else matrix
+            if w.ndim == 2 and w.shape[1] % 32 and want != T.F16:
+                want = T.F16  # rows not in whole blocks of 32 (the debug model's 176-wide down projection)
+            assert t.tensor_type == want, (qtype, hf_name, t.tensor_type)
+        assert reader.fields["llama.block_count"].contents() == config["num_hidden_layers"]
+        assert reader.fields["llama.attention.head_count_kv"].contents() == config["num_key_value_heads"]
+        assert len(reader.fields["tokenizer.ggml.tokens"].data) == config["vocab_size"]
+    # q8_0 (the head of the q4_0 file) reads back within one quantisation step of the weights
+    t = next(t for t in gguf.GGUFReader(tmp_path / "m-q4_0.gguf").tensors if t.name == "output.weight")
+    w = weights["lm_head.weight"]
+    back = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
+    assert float(np.abs(back - w).max()) <= float(np.abs(w).max()) / 127 + 1e-6
+
+
+def test_llama_cpp_decodes_the_f16_export_like_torch_or_the_rows_say_why_not(hf_folder, confident, tmp_path):
+    _, model, ids, _ = confident
+    path = gguf_export.write(hf_folder, tmp_path / "model-f16.gguf", "f16")
+    cfg = BenchmarkSection.model_validate({"llm": {"decode_prompt_len": 8, "new_tokens": 4, "repeats": 1},
+                                           "quality": {"enforce": False}})
+    with torch.no_grad():
+        ref = model(torch.from_numpy(ids[:2])).float().numpy()
+    reason = gguf_variants.unavailable_reason()
+    out = gguf_variants.results({"gguf_f16": path}, ids[:2], ref, cfg, 2, model.args.vocab_size, 0)
+    row = out["variants"]["gguf_f16"]
+    if reason is not None:
+        assert row == {"file": path.name, "bytes": path.stat().st_size, "skipped": reason}
+        return
+    # llama.cpp computes in f16 here: the same next tokens as torch fp32, KL near zero (measured 2e-5)
+    assert row["top1"] >= 0.99 and row["kl"] < 1e-3 and row["verdict"] == "accepted", row
+    assert row["decode_tokens_per_s"] > 0
+
+
+def test_without_llama_cpp_the_gguf_variants_are_recorded_as_skipped_with_the_reason(hf_folder, tmp_path,
+                                                                                      monkeypatch):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    path = gguf_export.write(hf_folder, tmp_path / "model-q8_0.gguf", "q8_0")
+    out = gguf_variants.results({"gguf_q8_0": path}, None, None, BenchmarkSection(), 2, 300, 0)
+    why = "llama-cpp-python is not installed (pip install 'llmpipe[llamacpp]')"
+    assert out == {"variants": {"gguf_q8_0": {"file": path.name, "bytes": path.stat().st_size, "skipped": why}},
+                   "rejected": []}
+    assert f"skipped: {why}" in gguf_variants.markdown(out)
