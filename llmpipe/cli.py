@@ -62,6 +62,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("runs", TRACK, "llmpipe runs"),
     ("plan", PLAN, "llmpipe plan configs/llama7b_64dev.yaml"),
     ("dryrun", PLAN, "llmpipe dryrun configs/llama7b_64dev.yaml --world-size 64"),
+    ("job", PLAN, "llmpipe job configs/llama7b_64dev.yaml --set train.launcher=slurm --dry-run"),
     ("tune", PLAN, "llmpipe tune buckets configs/tiny.yaml --values 5,25 --steps 6"),
 )
 
