@@ -187,18 +187,14 @@ def check_model(cfg: RunConfig) -> None:
             if q.bits in (4, 8) and q.accuracy_level == 0:
                 raise ConfigError(f"benchmark.quantize.{name}.accuracy_level=0: onnxruntime-genai's builder, which "
                                   f"makes {name}'s ORT-optimised graph (export.ort_graph), takes 1 to 4")
-    if cfg.model.init_from:  # Mistral's sliding window equals full attention only within the window
+    if cfg.model.init_from:  # config.json (its family's refusals, a sliding window in effect) was read above
         from llmpipe.models.llama import hf, hf_files
 
         try:
-            window = hf.read_config(cfg.model.init_from, cfg.model.max_seq_len)[1]["sliding_window"]
             hf.pretrained(cfg.model, args)  # every weight present, shaped as config.json says (headers only)
             hf_files.read_carried(cfg.model.init_from, args.vocab_size)  # what consolidate's hf/ carries over
         except hf.HFFolderError as err:
             raise ConfigError(f"model.init_from: {err}") from None
-        if window is not None and cfg.data.seq_len > window:
-            raise ConfigError(f"data.seq_len={cfg.data.seq_len} exceeds model.init_from's sliding_window={window}, "
-                              "which llmpipe's full attention does not implement")
     p = cfg.train.parallel
     if cfg.train.lora is not None and (p.tp > 1 or p.pp > 1):
         # NOTE: tensor parallel would have to shard each adapter with its base layer (A with a row-wise

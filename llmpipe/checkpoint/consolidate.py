@@ -98,9 +98,9 @@ def run(ctx: StageContext) -> StageResult:
         metrics[RENDER] = {"bos_token": chat.get("bos_token", ""), "eos_token": chat.get("eos_token", eos_token)}
     if cfg.hf_layout:
         (out / "hf").mkdir()
-        consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name, transform=merge)
-        (out / "hf" / "config.json").write_text(
-            json.dumps(hf.hf_config(args, cfg.dtype, data_meta.get("eos_id")), indent=2) + "\n")
+        consolidate_fn(checkpoint, out / "hf", cfg.dtype, rename=hf.to_hf_name, transform=hf_transform(args, merge))
+        (out / "hf" / "config.json").write_text(json.dumps(hf_config_json(args, cfg.dtype, data_meta.get("eos_id"),
+                                                                          ctx.cfg.model.init_from), indent=2) + "\n")
         shutil.copyfile(tokenizer, out / "hf" / model_io.TOKENIZER)
         write_hf_files(out / "hf", folder_files(tokenizer, eos_token, args, template, ctx.cfg.model.init_from))
         outputs["hf"] = "hf"
@@ -111,6 +111,31 @@ def run(ctx: StageContext) -> StageResult:
     log.info("consolidated step %d (%d tensors, %.2fM params) -> %s", meta["step"], stats["tensors"],
              stats["params"] / 1e6, out)
     return StageResult(outputs=outputs, metrics={**metrics, "bytes": (out / model_io.WEIGHTS).stat().st_size})
+
+
+def hf_config_json(args: ModelArgs, dtype: str, eos_id: int | None, init_from: str | None) -> dict:
+    """hf/config.json: a model fine-tuned from model.init_from comes out as the source's family (architecture
+    class, model_type, special-token ids, RoPE fields, head_dim, bias, tying); one llmpipe pre-trained as
+    LlamaForCausalLM (or the family of its options) with the run's eos id."""
+    if not init_from:
+        return hf.hf_config(args, dtype, eos_id)
+    try:
+        return hf.source_hf_config(init_from, args, dtype)
+    except hf.HFFolderError as err:
+        raise StageError(f"consolidate: model.init_from: {err}") from None
+
+
+def hf_transform(args: ModelArgs, merge):
+    """consolidate's transform for hf/: LoRA's merge, and a tied model's head left out (it is the
+    embedding; transformers ties lm_head to embed_tokens on load) should a checkpoint carry it."""
+    if not args.tie_embeddings:
+        return merge
+
+    def drop_head(shapes, load):
+        if merge is not None:
+            shapes, load = merge(shapes, load)
+        return {n: s for n, s in shapes.items() if n != "output.weight"}, load
+    return drop_head
 
 
 def training_template(ctx: StageContext) -> str | None:

@@ -23,6 +23,12 @@ adapters' alone.
 
 trainer_state.pt holds the counters (step, consumed_samples), torch's RNG state, the lr schedule, the
 loss scaler and, for dp x tp x pp, the layout that wrote it.
+
+Tied embeddings (model.tie_embeddings): the head is the embedding, one tensor in every format, stored
+once as `tok_embeddings.weight` (no `output.weight`; the model's own state dict drops it). A pipeline's
+last stage holds a copy of it as its `output.weight` (llmpipe.parallel.model_parallel keeps the copy
+bitwise equal to the first stage's): it is stored under the embedding's name too, so DCP writes the
+two ranks' identical chunks once, and it is read back from there.
 """
 
 from __future__ import annotations
@@ -168,6 +174,37 @@ def _write_full(folder: Path, ts: TrainState, counters_: dict[str, Any], rank: i
     return [folder / MODEL, folder / OPTIM, folder / TRAINER, *hook]
 
 
+EMBEDDING, HEAD = "tok_embeddings.weight", "output.weight"
+
+
+def tied_copy(part: nn.Module) -> bool:
+    """Whether `part` is a pipeline stage holding a tied head without the embedding it is (the last
+    stage's copy): its `output.weight` is stored, read and resharded as `tok_embeddings.weight`."""
+    args = getattr(part, "args", None)
+    return bool(getattr(args, "tie_embeddings", False)) and getattr(part, "tok_embeddings", None) is None \
+        and getattr(part, "output", None) is not None
+
+
+def stored_name(part: nn.Module, name: str) -> str:
+    """The name a checkpoint keeps `part`'s tensor `name` (llmpipe naming) under."""
+    return EMBEDDING if name == HEAD and tied_copy(part) else name
+
+
+def _stored_keys(part: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """A part's model or flattened optimizer state dict with the keys a checkpoint uses: a tied copy's
+    `output.weight` (and its `state.output.weight.*`, `param_groups.output.weight.*`) renamed."""
+    if not tied_copy(part):
+        return state
+    out = {}
+    for key, value in state.items():
+        for prefix in ("", "state.", "param_groups."):
+            if key == prefix + HEAD or key.startswith(prefix + HEAD + "."):
+                key = prefix + EMBEDDING + key[len(prefix + HEAD):]
+                break
+        out[key] = value
+    return out
+
+
 def _optim_options(ts: TrainState):
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
@@ -182,8 +219,8 @@ def _dcp_state(ts: TrainState) -> dict[str, Any]:
     model: dict[str, Any] = {}
     optim: dict[str, Any] = {}
     for part, opt in zip(ts.parts, ts.optimizers):
-        model.update(get_model_state_dict(part))
-        optim.update(get_optimizer_state_dict(part, opt, options=_optim_options(ts)))
+        model.update(_stored_keys(part, get_model_state_dict(part)))
+        optim.update(_stored_keys(part, get_optimizer_state_dict(part, opt, options=_optim_options(ts))))
     return {"model": model, "optim": optim}
 
 
@@ -236,10 +273,11 @@ def read_own(folder: Path, env, train_state: Callable[[], TrainState], fmt: str)
         dcp.load(state, storage_reader=SafeReader(folder / DCP_DIR))  # no pickle.load of .metadata
     options = _optim_options(ts)
     for part, opt in zip(ts.parts, ts.optimizers):
-        names = set(get_model_state_dict(part))
-        set_model_state_dict(part, {k: v for k, v in state["model"].items() if k in names})
+        names = get_model_state_dict(part)  # a tied copy reads the embedding (_stored_keys)
+        set_model_state_dict(part, {k: state["model"][s] for k, s in zip(names, _stored_keys(part, names))})
         mine = get_optimizer_state_dict(part, opt, options=options)
-        set_optimizer_state_dict(part, opt, {k: state["optim"][k] for k in mine}, options=options)
+        set_optimizer_state_dict(part, opt, {k: state["optim"][s] for k, s in zip(mine, _stored_keys(part, mine))},
+                                 options=options)
     if ts.hook is not None:
         ts.hook.read(folder, env.rank, env.world, ckpt.read_meta(folder).get("world_size"))
     return read_trainer(folder, ts)

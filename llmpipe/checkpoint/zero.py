@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from llmpipe import device as dev
+from llmpipe.checkpoint.state import EMBEDDING, HEAD
 from llmpipe.checkpoint.stream import write_streaming
 from llmpipe.models.llama import io as model_io
 
@@ -248,7 +249,10 @@ def _tensor_specs(layout: Layout, dtype: torch.dtype) -> dict[str, tuple[str, tu
     """name -> (the stored tensor it comes from, shape, output dtype), for parameters, tied aliases
     and persistent buffers (integer buffers keep their dtype)."""
     specs = {n: (n, tuple(s), dtype) for n, s in {**layout.shapes, **layout.frozen}.items()}
-    specs.update({alias: specs[src] for alias, src in layout.aliases.items() if src in specs})
+    # NOTE: a tied head (DeepSpeed records output.weight as shared with tok_embeddings.weight) is written
+    # once, as every llmpipe format keeps it (llmpipe.checkpoint.state)
+    specs.update({alias: specs[src] for alias, src in layout.aliases.items()
+                  if src in specs and (alias, src) != (HEAD, EMBEDDING)})
     specs.update({n: (n, tuple(b.shape), dtype if b.is_floating_point() else b.dtype)
                   for n, b in layout.buffers.items()})
     return dict(sorted(specs.items()))

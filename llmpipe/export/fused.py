@@ -47,6 +47,25 @@ def weight_only_options(section) -> tuple[str, dict[str, str]] | None:
                        "is_symmetric": "true" if section.symmetric else "false"}
 
 
+# config.json architectures the builder makes a graph of (onnxruntime-genai 0.18's builder.py), among those
+# llmpipe reads: each with bias (Qwen2), qk-norm and head_dim (Qwen3), tying and llama3 RoPE (Llama)
+BUILDER_FAMILIES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+
+
+def unsupported_family(hf_dir: Path) -> str | None:
+    """Why the builder would not make a graph of the folder's family (said in the manifest; the portable
+    graphs stay), or None."""
+    import json
+
+    try:
+        archs = json.loads((Path(hf_dir) / "config.json").read_text()).get("architectures") or ["?"]
+    except (OSError, ValueError) as err:
+        return f"{hf_dir}/config.json is not readable ({err})"
+    if archs[0] not in BUILDER_FAMILIES:
+        return f"onnxruntime-genai's builder does not know {archs[0]} ({', '.join(BUILDER_FAMILIES)})"
+    return None
+
+
 def unavailable_reason() -> str | None:
     """Why the builder cannot run here (its package or transformers missing), or None."""
     for module in ("onnxruntime_genai", "transformers", "onnx_ir"):

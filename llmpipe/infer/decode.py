@@ -384,13 +384,17 @@ def generate(engine, ids: np.ndarray, max_new_tokens: int,
 
 
 def greedy_reference(model: Transformer, ids: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
-    """Greedy continuation by PyTorch's full-sequence pass (no cache: the whole sequence every
-    token): tokens (B, n) and each step's logits (B, n, vocab)."""
-    seq = torch.from_numpy(ids)
+    """Greedy continuation by PyTorch with a KV cache (Transformer.forward_cached: the prompt once, then
+    one token per step over the cache, O(1) passes per token instead of re-running the whole sequence):
+    tokens (B, n) and each step's logits (B, n, vocab)."""
     logits = []
+    tokens = []
     with torch.inference_mode():
-        for _ in range(n):
-            last = model(seq)[:, -1].float()  # (B, vocab)
+        out, past = model.forward_cached(torch.from_numpy(ids))
+        for i in range(n):
+            last = out[:, -1].float()  # (B, vocab)
             logits.append(last.numpy())
-            seq = torch.cat([seq, last.argmax(-1, keepdim=True)], dim=1)
-    return seq[:, ids.shape[1]:].numpy(), np.stack(logits, axis=1)
+            tokens.append(last.argmax(-1, keepdim=True))
+            if i < n - 1:
+                out, past = model.forward_cached(tokens[-1], past)
+    return torch.cat(tokens, dim=1).numpy(), np.stack(logits, axis=1)

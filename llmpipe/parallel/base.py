@@ -160,15 +160,17 @@ class Strategy:
 
         full = StateDictOptions(full_state_dict=True)
         for module, opt in self.state_modules():
-            names = [clean_name(n) for n, _ in module.named_parameters()]
+            # by the name the checkpoint keeps each under: a pipeline's tied head copy reads the embedding
+            names = {clean_name(n): ckpt_state.stored_name(module, clean_name(n)) for n, _ in module.named_parameters()}
             trained = [clean_name(n) for n, p in module.named_parameters() if p.requires_grad]  # LoRA: adapters
-            missing = [n for n in names if n not in model] + [n for n in trained if n not in optim]
+            missing = [s for s in names.values() if s not in model] + [names[n] for n in trained
+                                                                        if names[n] not in optim]
             if missing:
                 raise ValueError(f"train.checkpoint.resume: the checkpoint has no {missing[0]} (or its optimizer "
                                  "state); it is not this model")
-            set_model_state_dict(module, {n: model[n] for n in names}, options=full)
+            set_model_state_dict(module, {n: model[s] for n, s in names.items()}, options=full)
             osd = get_optimizer_state_dict(module, opt, options=full)  # this optimizer's groups, by name
-            osd["state"] = {n: optim[n] for n in trained}
+            osd["state"] = {n: optim[names[n]] for n in trained}
             set_optimizer_state_dict(module, opt, osd, options=full)
 
     flat_param_groups = False  # param groups hold flattened partitions (ZeRO), not the model's shapes

@@ -102,6 +102,8 @@ def initial_values(opts: BuildOptions, args: ModelArgs, model: Transformer):
         return source
     shapes = {n.replace("_checkpoint_wrapped_module.", ""): tuple(getattr(p, "ds_shape", p.shape))
               for n, p in model.named_parameters()}
+    if "output.weight" in shapes:  # a tied head's copy on a pipeline's last stage reads the embedding's value
+        shapes.setdefault("tok_embeddings.weight", shapes["output.weight"])
     base = source or (lambda name: init_tensor(args, name, shapes[name], opts.seed))
     return lora.init_source(shapes, opts.seed, base)
 

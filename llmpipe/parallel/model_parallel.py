@@ -35,6 +35,7 @@ from llmpipe.parallel.base import TorchOptimizerStrategy, clean_name, token_loss
 from llmpipe.parallel.compose import compose
 from llmpipe.parallel.grad_norm import clip_, total_grad_norm
 from llmpipe.parallel.mesh import check_supported
+from llmpipe.parallel.tied import TiedHead
 
 log = logging.getLogger("llmpipe.train")
 
@@ -110,6 +111,11 @@ class MeshStrategy(TorchOptimizerStrategy):
         self.accum, self.max_grad_norm = t.grad_accum_steps, t.optim.clip_grad_norm
         self.has_loss = self.dims.pp == 1 or (n_stages - 1) in self.stage_ids
         self.schedule = self._schedule(par, n_stages) if self.dims.pp > 1 else None
+        # a tied head cut by the pipeline: a copy on the last stage, kept equal to the first's (parallel.tied)
+        self.tied = TiedHead(self.parts, self.stage_ids, n_stages, self.dims, env.rank) \
+            if self.dims.pp > 1 and args.tie_embeddings else None
+        if self.tied is not None:
+            self.tied.check_equal("step 0")
         if env.main:
             log.info("layout dp=%d x tp=%d x pp=%d (%s, data=%s): rank 0 holds stage(s) %s, %s local parameters",
                      self.dims.dp, self.dims.tp, self.dims.pp, par.pp_schedule if self.dims.pp > 1 else "no pipeline",
@@ -192,9 +198,16 @@ class MeshStrategy(TorchOptimizerStrategy):
     def replica_group(self):
         return self.mesh["dp"].get_group()
 
+    def step(self, number: int) -> float:
+        if self.tied is not None:  # the two copies' gradients summed first (Megatron's embedding group)
+            self.tied.sync_grads()
+        return super().step(number)
+
     def grad_norm(self) -> torch.Tensor:
-        # NOTE: the norm is global (reduced over tp, dp and pp), so every rank skips or stops together
-        return total_grad_norm(self.params(), self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
+        # NOTE: the norm is global (reduced over tp, dp and pp), so every rank skips or stops together; a tied
+        # head's pipeline copy counts once
+        params = self.params() if self.tied is None else self.tied.norm_params(self.params())
+        return total_grad_norm(params, self.mesh["pp"].get_group() if self.dims.pp > 1 else None)
 
     def clip(self, norm: torch.Tensor) -> None:
         clip_(self.params(), norm, self.max_grad_norm)
@@ -208,6 +221,22 @@ class MeshStrategy(TorchOptimizerStrategy):
         ts = super().train_state()
         ts.extra = {"layout": {"dp": self.dims.dp, "tp": self.dims.tp, "pp": self.dims.pp}}
         return ts
+
+    def write_checkpoint(self, folder, trainer_state, asynchronous: bool = False, group=None):
+        if self.tied is not None:  # one tensor is stored for both copies (checkpoint.state): they must be one
+            self.tied.check_equal(f"step {trainer_state['step']}")
+        return super().write_checkpoint(folder, trainer_state, asynchronous, group)
+
+    def read_checkpoint(self, folder):
+        state = super().read_checkpoint(folder)
+        if self.tied is not None:
+            self.tied.check_equal(f"resumed at step {state['step']}")
+        return state
+
+    def load_full(self, model, optim) -> None:
+        super().load_full(model, optim)
+        if self.tied is not None:
+            self.tied.check_equal("resharded from another layout")
 
     def close(self) -> None:
         del self.schedule, self.parts, self.module, self.opts, self.scheds, self.mesh

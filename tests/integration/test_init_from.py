@@ -108,7 +108,9 @@ def _escaping_index(folder: Path) -> None:
     (_set_config(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
      "config.json: rope_parameters.rope_type: 'yarn' is not supported"),
     (_set_config(attention_bias=True), "config.json: attention_bias: True is not supported"),
-    (_set_config(head_dim=32), "config.json: head_dim: 32 differs from hidden_size / num_attention_heads = 16"),
+    (_set_config(hidden_act="gelu"), "config.json: hidden_act: 'gelu' is not supported (llmpipe's LlamaForCausalLM "
+                                     "has 'silu')"),
+    (_set_config(head_dim=32), "q_proj.weight has shape [64, 64], config.json implies [128, 64]"),
     (_set_config(intermediate_size=200), "mlp.gate_proj.weight has shape [176, 64], config.json implies [200, 64]"),
     (_extra_weight, "weights llmpipe's LLaMA has no place for: model.layers.0.self_attn.q_proj.bias"),
     (_escaping_index, "weight_map: '../../etc/passwd' is outside the folder"),

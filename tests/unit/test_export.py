@@ -145,7 +145,7 @@ def test_kv_cache_decoder_continues_a_sequence_like_the_full_pass(tmp_path):
 
 def test_static_decoder_greedy_64_tokens_match_pytorch_and_the_graph_is_static(tmp_path):
     """decoder_static.onnx with a 96-slot cache: greedy decoding (onnxruntime, prefill graph + static
-    decoder, cache written in place) picks the same 64 tokens as PyTorch's full-sequence pass, logits
+    decoder, cache written in place) picks the same 64 tokens as PyTorch's cached greedy decoding, logits
     within 1e-4; the cache inputs have fixed shapes, only batch and chunk are symbolic; opset 17."""
     model = _model_folder(tmp_path / "m")
     export.export_prefill(model, tmp_path / "model.onnx", opset=17)

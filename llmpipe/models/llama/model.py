@@ -3,7 +3,8 @@
 Architecture only: no device, distributed, checkpoint or orchestration code here. Layers live in a
 ModuleDict keyed "0".."n-1" and `forward` tolerates a missing embedding, norm or head, so a
 pipeline stage is cut by deleting modules. RoPE uses the rotate-half convention of Hugging Face's
-Llama, so converting weights to HF names is a pure rename.
+Llama, so converting weights to HF names is a pure rename. The families' differences are options of
+this one decoder (ModelArgs: head_dim, tie_embeddings, attn_bias, qk_norm), not copies of it.
 """
 
 from __future__ import annotations
@@ -31,28 +32,55 @@ class ModelArgs:
     # Llama 3.1's frequency scaling: {rope_type: llama3, factor, low_freq_factor, high_freq_factor,
     # original_max_position_embeddings}; None: plain RoPE.
     rope_scaling: dict | None = None
+    # The options below are the families' differences (Qwen2, Qwen3, Llama 3.2, SmolLM2); each default is
+    # the original LLaMA, so a model made before they existed builds and initialises bitwise as it did.
+    # head_dim: per-head width; None (the default) resolves to dim // n_heads in __post_init__, so
+    # `args.head_dim` is always an int. Qwen3 sets it apart (0.6B: hidden 1024, 16 heads of 128).
+    head_dim: int | None = None
+    # tie_embeddings: the output head IS the embedding matrix (one Parameter, one tensor in a state dict).
+    tie_embeddings: bool = False
+    # attn_bias: q/k/v projections carry a bias, o_proj does not (Qwen2 / Qwen2.5).
+    attn_bias: bool = False
+    # qk_norm: an RMSNorm over head_dim on each head of q and k, before RoPE (Qwen3's q_norm / k_norm).
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
-        if self.dim % self.n_heads:
-            raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+        if self.head_dim is None:
+            if self.dim % self.n_heads:
+                raise ValueError(f"model.dim={self.dim} is not divisible by model.n_heads={self.n_heads}")
+            self.head_dim = self.dim // self.n_heads
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"model.n_heads={self.n_heads} is not divisible by model.n_kv_heads={self.n_kv_heads}")
-        if (self.dim // self.n_heads) % 2:
-            raise ValueError(f"head dim {self.dim // self.n_heads} must be even for RoPE")
+        if self.head_dim < 2 or self.head_dim % 2:
+            raise ValueError(f"head dim {self.head_dim} must be even for RoPE")
 
-    @property
-    def head_dim(self) -> int:
-        return self.dim // self.n_heads
+    def explicit_head_dim(self) -> bool:
+        """Whether head_dim differs from dim // n_heads (a value set apart, as Qwen3's)."""
+        return self.dim % self.n_heads != 0 or self.head_dim != self.dim // self.n_heads
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        """Every field; the options at their defaults are left out, so a model without them records what it
+        did before they existed (checkpoint meta.json, model_config.json)."""
+        out = asdict(self)
+        for key, default in _OPTION_DEFAULTS.items():
+            if out[key] == default:
+                del out[key]
+        if not self.explicit_head_dim():
+            del out["head_dim"]
+        return out
 
     def num_params(self, embeddings: bool = True) -> int:
+        """Distinct parameters (a tied head counted once). embeddings=False leaves out the input
+        embedding but keeps the output head (its matmul is compute; llmpipe.mfu), tied or not."""
         d, f, hd = self.dim, self.ffn_dim, self.head_dim
-        attn = d * (self.n_heads * hd) * 2 + d * (self.n_kv_heads * hd) * 2
+        q, kv = self.n_heads * hd, self.n_kv_heads * hd
+        attn = d * q * 2 + d * kv * 2 + ((q + 2 * kv) if self.attn_bias else 0) + (2 * hd if self.qk_norm else 0)
         block = attn + 3 * d * f + 2 * d
         n = self.n_layers * block + d + d * self.vocab_size  # blocks, final norm, output head
-        return n + (d * self.vocab_size if embeddings else 0)
+        return n + (d * self.vocab_size if embeddings and not self.tie_embeddings else 0)
+
+
+_OPTION_DEFAULTS = {"tie_embeddings": False, "attn_bias": False, "qk_norm": False}
 
 
 class RMSNorm(nn.Module):
@@ -118,17 +146,24 @@ class Attention(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
-        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=False)
-        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
-        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=False)
+        bias = args.attn_bias
+        self.wq = nn.Linear(args.dim, args.n_heads * args.head_dim, bias=bias)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * args.head_dim, bias=bias)
         self.wo = nn.Linear(args.n_heads * args.head_dim, args.dim, bias=False)
+        # Qwen3: per-head RMSNorm of q and k over head_dim (one weight shared by every head), before RoPE
+        self.q_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.norm_eps) if args.qk_norm else None
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         B, T, _ = x.shape
         # Head counts come from the weights, so a tensor-parallel shard (fewer local heads) works.
-        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        q = self.wq(x).view(B, T, -1, self.head_dim)  # (B, T, H, hd)
+        k = self.wk(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, hd)
         v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, hd), (B, Hkv, T, hd)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
@@ -177,9 +212,13 @@ class Attention(nn.Module):
         # NOTE: one projection for q, k and v (the exporter folds the weight concat into one initializer)
         # and one RoPE for q and k: fewer, larger ops per decode step.
         w = torch.cat([self.wq.weight, self.wk.weight, self.wv.weight])
-        qkv = F.linear(x, w).view(B, C, H + 2 * Hkv, hd).transpose(1, 2)  # (B, H + 2 Hkv, C, hd)
-        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)
-        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]  # (B, H, C, hd), (B, Hkv, C, hd) x2
+        b = torch.cat([self.wq.bias, self.wk.bias, self.wv.bias]) if self.wq.bias is not None else None
+        qkv = F.linear(x, w, b).view(B, C, H + 2 * Hkv, hd)  # (B, C, H + 2 Hkv, hd)
+        qk = qkv[:, :, :H + Hkv]
+        if self.q_norm is not None:  # the two norms' weights differ: normalise q's heads and k's apart
+            qk = torch.cat([self.q_norm(qk[:, :, :H]), self.k_norm(qk[:, :, H:])], dim=2)
+        qk = apply_rope(qk.transpose(1, 2), cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, :, H + Hkv:].transpose(1, 2)  # (B, H, C, hd), (B, Hkv, C, hd) x2
         qg = q.reshape(B, Hkv, (H // Hkv) * C, hd) * hd ** -0.5
         old = qg @ cache[0].transpose(-1, -2)  # (B, Hkv, rep * C, L)
         new = qg @ k.transpose(-1, -2)  # (B, Hkv, rep * C, C)
@@ -243,9 +282,24 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            # One Parameter under two modules: named_parameters() and optimizers see it once; the state dict
+            # keeps it once too (under tok_embeddings.weight, as transformers' tied checkpoints do).
+            self.output.weight = self.tok_embeddings.weight
+            self._register_state_dict_hook(_drop_tied_head)
+            self._register_load_state_dict_pre_hook(_fill_tied_head, with_module=True)
         cos, sin = rope_cache(args)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # NOTE: moving off the meta device (to_empty) makes new Parameters, one per module; the head is tied
+        # again to the embedding's, as transformers' tie_weights does after loading.
+        out = super()._apply(fn, recurse)
+        if self.args.tie_embeddings and self.tok_embeddings is not None and self.output is not None \
+                and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        return out
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None, assign=None, source=None) -> None:
@@ -350,22 +404,44 @@ _WRAPPED = "_checkpoint_wrapped_module."  # the prefix activation checkpointing'
 
 
 def init_tensor(args: ModelArgs, name: str, shape: tuple[int, ...], seed: int | None) -> torch.Tensor:
-    """The initial value of parameter `name` (llmpipe naming), full size, fp32 on CPU: norms 1,
-    embeddings N(0, 1), the output head truncated N(0, dim^-0.5), other matrices truncated N(0, 0.02)
-    with wo/w2 scaled by 1/sqrt(2 n_layers)."""
+    """The initial value of parameter `name` (llmpipe naming), full size, fp32 on CPU: norms 1, biases 0,
+    embeddings N(0, 1) (N(0, dim^-0.5) when tied to the head), the output head truncated N(0, dim^-0.5),
+    other matrices truncated N(0, 0.02) with wo/w2 scaled by 1/sqrt(2 n_layers)."""
     gen = None
     if seed is not None:
         gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     t = torch.empty(shape, dtype=torch.float32)
+    if name.endswith(".bias"):
+        return nn.init.zeros_(t)
     if len(shape) == 1:
         return nn.init.ones_(t)
     if name.startswith("tok_embeddings"):
-        return nn.init.normal_(t, std=1.0, generator=gen)
+        # tied, the embedding is also the head: the head's scale, or the first logits would be sqrt(dim) wide
+        return nn.init.normal_(t, std=args.dim ** -0.5 if args.tie_embeddings else 1.0, generator=gen)
     if name.startswith("output"):
         s = args.dim ** -0.5
     else:
         s = 0.02 / math.sqrt(2 * args.n_layers) if name.endswith(("wo.weight", "w2.weight")) else 0.02
     return nn.init.trunc_normal_(t, std=s, a=-3 * s, b=3 * s, generator=gen)
+
+
+def _tied(model: Transformer) -> bool:
+    """Whether this (whole or pipeline-cut) module holds both ends of a tied head as one Parameter."""
+    return (model.tok_embeddings is not None and model.output is not None
+            and model.output.weight is model.tok_embeddings.weight)
+
+
+def _drop_tied_head(model, state_dict, prefix, local_metadata):
+    if _tied(model):
+        state_dict.pop(prefix + "output.weight", None)
+    return state_dict
+
+
+def _fill_tied_head(model, state_dict, prefix, *args):
+    # A tied state dict has no output.weight: the head is loaded with the embedding it is.
+    emb = prefix + "tok_embeddings.weight"
+    if _tied(model) and emb in state_dict:
+        state_dict.setdefault(prefix + "output.weight", state_dict[emb])
 
 
 def _copy(param: torch.Tensor, full: torch.Tensor) -> None:

@@ -20,7 +20,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
-from llmpipe.models.llama.model import Transformer
+from llmpipe.models.llama.model import Transformer, init_tensor
 
 
 def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> Transformer:
@@ -47,6 +47,12 @@ def apply_tp(model: Transformer, tp_mesh: DeviceMesh, sequence_parallel: bool = 
         root["output"] = ColwiseParallel(input_layouts=seq, output_layouts=Replicate(), use_local_output=True)
     if root:
         parallelize_module(model, tp_mesh, root)
+    if model.args.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        # NOTE: each style above distributes its own module's weight, which unties the head. Both are the
+        # [vocab, dim] matrix sharded on dim 0 (Shard(0): the embedding's rows by vocabulary, the head's
+        # output columns), so the one DTensor serves both: each rank holds the same vocab slice for the
+        # lookup and for its slice of the logits, and their gradients meet in one Shard(0) tensor.
+        model.output.weight = model.tok_embeddings.weight
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, _block_plan(sequence_parallel))
     return model
@@ -141,5 +147,17 @@ def _assign_local_shard(param: torch.Tensor, full: torch.Tensor) -> None:
 def init_weights(model: Transformer, seed: int, source=None) -> None:
     """Initialise a (possibly tensor-parallel, FSDP-sharded, pipeline-cut) model after `to_empty`:
     each rank fills its shards of the same full tensors a single process would draw, or that
-    `source(name)` reads (pretrained weights, one tensor at a time)."""
-    model.init_weights(seed, assign=_assign_local_shard, source=source)
+    `source(name)` reads (pretrained weights, one tensor at a time). A pipeline's last stage holding
+    a tied head without the embedding starts its copy from the embedding's value."""
+    model.init_weights(seed, assign=_assign_local_shard, source=tied_source(model, seed, source))
+
+
+def tied_source(model: Transformer, seed: int | None, source=None):
+    """`source`, or for a last pipeline stage whose head is tied (its copy of the embedding, which the
+    first stage holds) a source that reads `tok_embeddings.weight` for `output.weight`."""
+    if not (model.args.tie_embeddings and model.tok_embeddings is None and model.output is not None):
+        return source
+    shapes = {n.replace("_checkpoint_wrapped_module.", ""): tuple(p.shape) for n, p in model.named_parameters()}
+    shapes["tok_embeddings.weight"] = shapes["output.weight"]  # [vocab, dim] both
+    base = source or (lambda name: init_tensor(model.args, name, shapes[name], seed))
+    return lambda name: base("tok_embeddings.weight" if name == "output.weight" else name)
