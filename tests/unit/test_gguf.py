@@ -111,3 +111,13 @@ def test_an_existing_folder_is_not_overwritten(tmp_path: Path):
     (tmp_path / "out").mkdir()
     with pytest.raises(GGUFError, match="already exists"):
         import_gguf(_tiny(tmp_path / "m.gguf"), tmp_path / "out")
+
+
+def test_llmpipe_import_gguf_prints_one_error_line_and_exits_non_zero(tmp_path: Path, capsys):
+    from llmpipe.cli import main
+
+    src = _tiny(tmp_path / "m.gguf", arch="qwen9")
+    assert main(["import-gguf", str(src), str(tmp_path / "out")]) == 1
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"error: {src}: general.architecture: 'qwen9' is not supported (llama)"]
+    assert not (tmp_path / "out").exists()
