@@ -146,7 +146,6 @@ class Verdict:
 
     def message(self) -> str:
         """One line for a failure: what broke, by how much, and the field to change."""
-        _, words, _ = _LIMITS[self.metric]
         head, rest = self.reason().split(": ", 1)
         return f"benchmark: {head} fails its quality gate: {rest} (rejected: not deployed, its numbers kept)"
 

@@ -85,3 +85,17 @@ def test_plan_names_an_init_from_model_by_its_folder(tmp_path: Path, smollm2_hf:
     assert p.flavor == f"{smollm2_hf} (init_from)"
     assert f"model    {smollm2_hf} (init_from): 0.1" in plan.format_table(p)
     assert json.loads((smollm2_hf / "config.json").read_text())["num_hidden_layers"] == p.n_layers
+
+
+def test_evaluate_re_runs_when_the_benchmark_rejects_other_variants_and_not_otherwise(tmp_path: Path):
+    from llmpipe.eval.tasks import fingerprint_extra
+    from llmpipe.manifest import Manifest
+    from llmpipe.stages import stage_dir
+
+    cfg = make_cfg(tmp_path)
+    folder = stage_dir(cfg.run_dir(), "benchmark")
+    folder.mkdir(parents=True)
+    Manifest("benchmark", "completed", "fp", metrics={"rejected": []}).write(folder)
+    assert "benchmark_rejected" not in fingerprint_extra(cfg)  # nothing rejected: the fingerprint of before
+    Manifest("benchmark", "completed", "fp", metrics={"rejected": ["int8"]}).write(folder)
+    assert fingerprint_extra(cfg)["benchmark_rejected"] == ["int8"]
