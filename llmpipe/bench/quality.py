@@ -134,16 +134,21 @@ class Verdict:
     sequences: int | None = None  # validation sequences the value was measured on
     graph: str | None = None  # which of the variant's graphs, when it has more than one (ORT-optimised, portable)
 
-    def message(self) -> str:
-        """One line for a failure: what broke, by how much, and the field to change."""
+    def reason(self) -> str:
+        """What broke, by how much, and the field: `int8: top-1 agreement 0.8500 < benchmark.quality.int8.min_top1=0.9
+        on 16 validation sequences`."""
         _, words, upper = _LIMITS[self.metric]
         shown = f"{self.value:+.2%}" if self.metric == "max_ppl_increase" else f"{self.value:.4f}"
         op = (">" if upper else "<") if math.isfinite(self.value) else "is not finite, limit"
-        on = f"on {self.sequences} validation sequences; " if self.sequences is not None else ""
+        on = f" on {self.sequences} validation sequences" if self.sequences is not None else ""
         which = f" ({self.graph})" if self.graph else ""
-        return (f"benchmark: {self.variant}{which} fails its quality gate: {words} {shown} {op} "
-                f"benchmark.quality.{self.variant}.{self.metric}={self.limit:g} "
-                f"({on}relax the limit or set benchmark.quality.enforce: false)")
+        return (f"{self.variant}{which}: {words} {shown} {op} benchmark.quality.{self.variant}.{self.metric}="
+                f"{self.limit:g}{on}")
+
+    def message(self) -> str:
+        """One line for a failure: what broke, by how much, and the field to change."""
+        head, rest = self.reason().split(": ", 1)
+        return f"benchmark: {head} fails its quality gate: {rest} (rejected: not deployed, its numbers kept)"
 
 
 def judge(metrics: dict[str, dict[str, float]], quality: QualitySection,
@@ -165,11 +170,18 @@ def judge(metrics: dict[str, dict[str, float]], quality: QualitySection,
     return verdicts
 
 
-def enforce_gates(verdicts: Sequence[Verdict], enforce: bool) -> list[str]:
-    """With `enforce`, the first failure raises StageError (one line); else the rejected variants' names."""
+def enforce_gates(verdicts: Sequence[Verdict], enforce: bool, required: Sequence[str] = ()) -> list[str]:
+    """The rejected variants' names. With `enforce`, StageError (one line naming EVERY failing variant) when a
+    variant of `required` (benchmark.require) failed, or when no variant is left deployable; a rejected
+    variant is otherwise recorded, not fatal (it is not served, promoted or evaluated)."""
     failed = [v for v in verdicts if not v.passed]
-    if enforce and failed:
-        raise StageError(failed[0].message())
+    must = [v.variant for v in failed if v.variant in required]
+    if enforce and failed and (must or len(failed) == len(verdicts)):
+        why = (f"required variant{'s' * (len(must) > 1)} {', '.join(must)} (benchmark.require) failed" if must
+               else "no variant is left deployable")
+        raise StageError(f"benchmark: {why}; {len(failed)} of {len(verdicts)} failed their quality gates: "
+                         f"{'; '.join(v.reason() for v in failed)} (relax a limit under benchmark.quality, "
+                         "or set benchmark.quality.enforce: false)")
     return [v.variant for v in failed]
 
 

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from llmpipe import device
-from llmpipe.bench import llm
+from llmpipe.bench import llm, quality
 from llmpipe.bench.plot import latency_plot, serving_plot
 from llmpipe.device import OrtProvider
 from llmpipe.errors import UserError
@@ -340,6 +340,9 @@ def _llm_summary(results: dict) -> dict[str, Any]:
         for metric in ("ppl", "kl", "top1"):
             out[metric] = {name: v[metric] for name, v in q["variants"].items()}
         out["rejected"] = q["rejected"]
+        out["verdicts"] = {name: v.get("verdict") for name, v in q["variants"].items()}
+        out["rejected_because"] = {name: v["rejected_because"] for name, v in q["variants"].items()
+                                   if "rejected_because" in v}
     return out
 
 
@@ -566,6 +569,9 @@ def run(ctx: StageContext) -> StageResult:
                                                     ctx.inputs["train"][0], cfg, ctx.cfg.data.seq_len,
                                                     ctx.cfg.run.seed)
         results["gguf"] = gguf_results(ctx, models, threads)
+    verdicts = results["quality"].pop("verdicts")
+    if results["gguf"] is not None:
+        verdicts = [*verdicts, *results["gguf"].pop("verdicts")]
     if cfg.serving.enabled:
         results["serving"] = serving_results(ctx, threads)
     results["om"] = "om: measured through ais_bench" if models.om else f"om: not measured, {models.om_reason}"
@@ -586,4 +592,7 @@ def run(ctx: StageContext) -> StageResult:
         outputs.update(serving_plot=SERVING_PLOT, serving_log=SERVING_LOG)
     if any(p.is_file() for p in (ctx.work_dir / VARIANTS_DIR).rglob("*")):
         outputs["variants"] = VARIANTS_DIR
+    # NOTE: after results.json / results.md are written: a failing stage's folder (kept under failed/) holds
+    # every variant's numbers, and a rejected variant that is not required costs no measurement
+    quality.enforce_gates(verdicts, cfg.quality.enforce, cfg.require)
     return StageResult(outputs=outputs, metrics=summary(results))

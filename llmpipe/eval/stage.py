@@ -332,6 +332,28 @@ def judge(outputs: dict[str, dict], e) -> tuple[dict[str, Any], list[str], list[
     return summary, failures, rejected
 
 
+def benchmark_accepted(ctx: StageContext) -> tuple[list[str], list[str]]:
+    """(the variants of benchmark.variants the benchmark accepted, a note for each it rejected): a variant
+    rejected by its quality gate is not deployable, so it is not scored here either."""
+    bench = ctx.inputs.get("benchmark")
+    rejected = set((bench[1].metrics.get("rejected") or []) if bench else [])
+    scored = [v for v in ctx.cfg.benchmark.variants if v not in rejected]
+    return scored, [f"{v}: not evaluated (rejected by the benchmark's quality gate)" for v in
+                    ctx.cfg.benchmark.variants if v in rejected]
+
+
+def enforce(summary: dict[str, Any], failures: list[str], on: bool, required) -> None:
+    """As the benchmark's gates (quality.enforce_gates): with `on`, StageError naming every failing variant
+    when a required one (benchmark.require) failed or none is left deployable; otherwise recorded only."""
+    verdicts = summary["verdicts"]
+    failed = [n for n, v in verdicts.items() if v == "rejected"]
+    must = [n for n in failed if n in required]
+    if on and failed and (must or len(failed) == len(verdicts)):
+        why = f"required {', '.join(must)} (benchmark.require) failed" if must else "no variant is left deployable"
+        raise StageError(f"evaluate: {why}; {len(failed)} of {len(verdicts)} failed their evaluation gates: "
+                         + "; ".join(failures))
+
+
 def _fmt(cell: dict | None, digits: int = 4) -> str:
     if not cell:
         return "-"
@@ -441,7 +463,8 @@ def run(ctx: StageContext) -> StageResult:
         models = [(REFERENCE, lambda: engine_lm(ctx, "torch", args, tokenizer, eos, prefix, stop_ids, e, threads))]
     elif e.torch:
         models.append(("torch", lambda: engine_lm(ctx, "torch", args, tokenizer, eos, prefix, stop_ids, e, threads)))
-    for name in cfg.benchmark.variants:
+    scored, not_scored = benchmark_accepted(ctx)
+    for name in scored:
         models.append((name, lambda n=name: engine_lm(ctx, n, args, tokenizer, eos, prefix, stop_ids, e, threads)))
 
     outputs: dict[str, dict] = {}
@@ -450,13 +473,11 @@ def run(ctx: StageContext) -> StageResult:
             log.info("evaluate: %s on %s", name, ", ".join(s if isinstance(s, str) else s["task"] for s in specs))
             outputs[name] = evaluate(opener(), specs, manager, e)
     summary, failures, rejected = judge(outputs, e)
-    if failures and e.enforce:
-        raise StageError(f"evaluate: {failures[0]}" + (f" (and {len(failures) - 1} more)" if len(failures) > 1
-                                                        else ""))
+    enforce(summary, failures, e.enforce, cfg.benchmark.require)
     names = list(outputs)
     om = "om: not evaluated (an OM model is run through ais_bench by the benchmark stage only)"
     results = {"reference": reference, "limit": e.limit, "num_fewshot": e.num_fewshot, "seed": e.seed,
-               "notes": [om, *(f"{t}: {w}" for t, w in skipped.items())],
+               "notes": [om, *not_scored, *(f"{t}: {w}" for t, w in skipped.items())],
                "summary": summary, "rejected": rejected, "lm_eval": outputs}
     text = json.dumps(results, indent=2, default=handle_non_serializable)
     write_json_atomic(ctx.work_dir / RESULTS_FILE, json.loads(text))

@@ -331,9 +331,25 @@ def fingerprint_extra(cfg) -> dict[str, Any]:
         p = Path(questions)
         files["chat_questions"] = sha256(p) if p.is_file() else None
     run_dir = cfg.run_dir()
-    return {"lm_eval": lm_eval_version, "files": files,
-            "graphs": {"export_onnx": _graphs(run_dir, "export_onnx", ("model", "decoder_static")),
-                       "benchmark": _graphs(run_dir, "benchmark", ("variants/",))}}
+    extra = {"lm_eval": lm_eval_version, "files": files,
+             "graphs": {"export_onnx": _graphs(run_dir, "export_onnx", ("model", "decoder_static")),
+                        "benchmark": _graphs(run_dir, "benchmark", ("variants/",))}}
+    rejected = _rejected(run_dir)
+    if rejected:  # what is scored (the benchmark's accepted variants); absent when none: earlier runs unchanged
+        extra["benchmark_rejected"] = rejected
+    return extra
+
+
+def _rejected(run_dir: Path) -> list[str]:
+    """The variants the finished benchmark rejected (evaluate does not score them)."""
+    from llmpipe.manifest import Manifest, ManifestError
+    from llmpipe.stages import stage_dir
+
+    try:
+        manifest = Manifest.read(stage_dir(run_dir, "benchmark"))
+    except (ManifestError, OSError, ValueError):
+        return []
+    return sorted(manifest.metrics.get("rejected") or []) if manifest is not None else []
 
 
 # --------------------------------------------------------------------------- the local tasks

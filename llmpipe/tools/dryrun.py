@@ -137,7 +137,7 @@ def summary(cfg: RunConfig, reports: list[RankReport], world_size: int) -> str:
     return "\n".join([
         f"layout: dp={dims.dp} x tp={dims.tp} x pp={dims.pp} = {world_size} ranks; data={par.data}, "
         f"schedule={par.pp_schedule} (built: {reports[0].schedule}), sequence_parallel={par.sequence_parallel}",
-        f"model: {cfg.model.flavor}, {args.num_params():,} parameters; dp replica 0 holds {replica:,} distinct "
+        f"model: {cfg.model.shown()}, {args.num_params():,} parameters; dp replica 0 holds {replica:,} distinct "
         f"({'complete' if replica == args.num_params() else 'MISMATCH'}; norm weights are replicated on each "
         f"tp rank and counted once)",
         f"global batch: micro {t.micro_batch_size} x accum {t.grad_accum_steps} x dp {dims.dp} = {seqs} sequences "

@@ -610,7 +610,7 @@ def plan(cfg: RunConfig, world_size: int | None = None, *, peak_tflops: float | 
     budget = tokens if tokens is not None else TOKENS_PER_PARAM * a.num_params()
     grad_bytes, volume, calls = _comm(s, stage_params(a, s.tp, s.pp, s.virtual_stages, s.split_points)[busiest.pp_rank])
     return Plan(
-        flavor=cfg.model.flavor, n_params=a.num_params(), n_params_non_embedding=a.num_params(embeddings=False),
+        flavor=cfg.model.shown(), n_params=a.num_params(), n_params_non_embedding=a.num_params(embeddings=False),
         n_layers=a.n_layers, dim=a.dim, n_heads=a.n_heads, vocab_size=a.vocab_size, world_size=s.world, dp=s.dp,
         tp=s.tp, pp=s.pp, data=s.data, zero_stage=s.zero_stage, precision=s.precision,
         precision_auto=cfg.train.precision.dtype == "auto", seq_len=s.seq_len,

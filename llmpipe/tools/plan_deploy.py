@@ -253,7 +253,7 @@ def deploy(cfg: RunConfig, soc: str | None = None, bandwidth_gbs: float | None =
             measured.append(Measured(variant, provider, b, _number(r.get("tpot_ms")),
                                      r.get("error") if isinstance(r.get("error"), str) else None,
                                      1e3 * bound[prec][b] if prec and b in bound[prec] else None))
-    return Deploy(flavor=cfg.model.flavor, n_params=args.num_params(), n_layers=args.n_layers,
+    return Deploy(flavor=cfg.model.shown(), n_params=args.num_params(), n_layers=args.n_layers,
                   n_kv_heads=args.n_kv_heads, head_dim=args.head_dim, vocab_size=args.vocab_size, device=dev,
                   kv_dtype="fp32" if kv_elem == 4 else "fp16", cache_len=n_cache, weights=weights, kv_per_seq=kv,
                   batches=batches, bound_s=bound, fits=fits, results_path=str(path), measured=measured,

@@ -73,6 +73,32 @@ def check_layout(cfg, data_dir: Path) -> None:
                          f"{cfg.train.nproc_per_node} x {nodes} node(s))") from None
 
 
+def check_data_sizes(cfg, data_dir: Path) -> None:
+    """What the benchmark will draw from the validation shard, checked now that prepare_data has written it and
+    before training: int8s's calibration windows (benchmark.quantize.calibration_samples) and at least one
+    quality sequence (benchmark.quality), each of its length; one line with the numbers (the benchmark checks
+    again, for a run whose training was done before)."""
+    from llmpipe.data.shards import TokenShard
+    from llmpipe.models.llama import model_args
+
+    b = cfg.benchmark
+    vocab = json.loads((Path(data_dir) / "data_meta.json").read_text())["vocab_size"]
+    max_len = model_args(cfg.model, vocab_size=vocab).max_seq_len
+    val = TokenShard(Path(data_dir) / "val.bin")
+    quality_len = min(b.quality.seq_len or cfg.data.seq_len, max_len)
+    wants = [("benchmark.quality.samples", 1, quality_len, "lower benchmark.quality.seq_len")]
+    if "int8s" in b.variants:
+        q = b.quantize
+        wants.append(("benchmark.quantize.calibration_samples", q.calibration_samples,
+                      min(q.calibration_seq_len or b.quality.seq_len or cfg.data.seq_len, max_len),
+                      "lower it (or calibration_seq_len), or raise data.val_fraction"))
+    for field, n, length, fix in wants:
+        available = val.num_samples(length - 1)
+        if n > available:
+            raise StageError(f"{field}: the benchmark needs {n} validation window(s) of {length} tokens, but the "
+                             f"validation shard ({val.n_tokens} tokens) holds {available}; {fix}")
+
+
 def calibrate_cpu(cfg) -> None:
     """Measure this machine's CPU GEMM peak for MFU once, here, before the ranks start: they find it in
     the artifacts folder's cache instead of each measuring while the others start up."""
@@ -90,6 +116,7 @@ def run(ctx: StageContext) -> StageResult:
     cfg, out = ctx.cfg, ctx.work_dir
     data_dir = ctx.inputs["prepare_data"][0]
     check_layout(cfg, data_dir)
+    check_data_sizes(cfg, data_dir)
     calibrate_cpu(cfg)
     config_path = out / "config.yaml"
     tree, warm_start = warm.prepare(ctx)  # an earlier attempt's checkpoint to continue from, if any

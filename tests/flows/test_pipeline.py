@@ -217,11 +217,13 @@ def test_a_quality_gate_beyond_reach_fails_the_benchmark_then_the_relaxed_rerun_
     int8 = json.loads((run_dir / "06_benchmark" / "results.json").read_text())["quality"]["variants"]["int8"]
     assert int8["top1"] < 1.0 or int8["ppl_increase"] > 0  # the premise: int8 moves something
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_LEVEL"}
-    gate = ["--set", "benchmark.quality.int8.max_ppl_increase=0", "--set", "benchmark.quality.int8.min_top1=1"]
+    gate = ["--set", "benchmark.quality.int8.max_ppl_increase=0", "--set", "benchmark.quality.int8.min_top1=1",
+            "--set", "benchmark.require=[int8]"]
     out = subprocess.run([LLMPIPE, "run", config, *gate], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith("error: benchmark: int8 fails its quality gate: "), errors
+    assert len(errors) == 1 and errors[0].startswith("error: benchmark: required variant int8 (benchmark.require) "
+                                                     "failed; 1 of 3 failed their quality gates: int8: "), errors
     assert "benchmark.quality.int8." in errors[0]
     # The console (issue 38): a line per stage start and end, no Prefect task-run lines, no stage detail;
     # the detail is in the stage's log and Prefect's lines in the run's.
@@ -274,14 +276,19 @@ def test_an_evaluation_gate_beyond_reach_fails_with_one_line_then_the_relaxed_re
     assert drop > 0
     before = {s: _snapshot(run_dir, s) for s in STAGES}
     env = {k: v for k, v in os.environ.items() if k != "PREFECT_LOGGING_LEVEL"}
-    gate = ["--set", f"evaluate.gates.{variant}.max_drop=0"]
+    # a variant that is not required would be recorded as rejected: requiring it makes its failure the stage's
+    # (an operational field: the finished benchmark stays)
+    required = f"benchmark.require=[{variant}]"
+    gate = ["--set", f"evaluate.gates.{variant}.max_drop=0", "--set", required]
     out = subprocess.run([LLMPIPE, "run", config, *gate], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 1, out.stderr[-3000:]
     errors = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and errors[0].startswith(f"error: evaluate: {variant} fails its evaluation gate: "), errors
+    assert len(errors) == 1 and errors[0].startswith(f"error: evaluate: required {variant} (benchmark.require) "
+                                                     "failed; "), errors
+    assert f"{variant} fails its evaluation gate: " in errors[0]
     assert f"; evaluate.gates.{variant}.max_drop)" in errors[0]
     assert {s: _snapshot(run_dir, s) for s in STAGES} == before  # nothing half-written, the last result kept
-    results = train_to_deploy(config=config, overrides=[f"evaluate.gates.{variant}.max_drop=1"])
+    results = train_to_deploy(config=config, overrides=[f"evaluate.gates.{variant}.max_drop=1", required])
     assert [s for s, r in results.items() if r["executed"]] == ["evaluate"]
 
 

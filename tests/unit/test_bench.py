@@ -415,16 +415,25 @@ def test_a_gate_beyond_reach_fails_the_stage_in_one_line_or_marks_the_variant_re
     int8 = results["quality"]["variants"]["int8"]
     assert int8["top1"] < 1.0  # the premise: int8 moves some argmax
     gate = {**QUALITY, "int8": {"min_top1": 1.0}}
+    failing = _ctx(ctx.work_dir.parent, inputs, quality={**gate, "enforce": True}, require=["int8"])
     with pytest.raises(StageError) as err:
-        bench.run(_ctx(ctx.work_dir.parent, inputs, quality={**gate, "enforce": True}))
+        bench.run(failing)
     message = str(err.value)
-    assert message.startswith(f"benchmark: int8 fails its quality gate: top-1 agreement {int8['top1']:.4f}") or \
-        message.startswith("benchmark: int8 fails its quality gate: "), message
+    assert message.startswith("benchmark: required variant int8 (benchmark.require) failed; 1 of 3 failed their "
+                              f"quality gates: int8: top-1 agreement {int8['top1']:.4f} < "), message
     assert "benchmark.quality.int8.min_top1=1" in message and "\n" not in message
-    ctx2 = _ctx(ctx.work_dir.parent, inputs, quality={**gate, "enforce": False})
-    bench.run(ctx2)
+    assert "| int8 |" in (failing.work_dir / "results.md").read_text()  # the failed attempt keeps its numbers
+    # not required: int8 is rejected with its numbers kept (results.md, the manifest's metrics), the stage passes
+    ctx2 = _ctx(ctx.work_dir.parent, inputs, quality={**gate, "enforce": True})
+    result = bench.run(ctx2)
     rejected = json.loads((ctx2.work_dir / "results.json").read_text())["quality"]
     assert rejected["rejected"] == ["int8"] and rejected["variants"]["int8"]["verdict"] == "rejected"
+    assert result.metrics["rejected"] == ["int8"]
+    assert result.metrics["top1"]["int8"] == rejected["variants"]["int8"]["top1"]
+    assert result.metrics["verdicts"] == {"fp32": "accepted", "fp16": "accepted", "int8": "rejected"}
+    assert result.metrics["rejected_because"]["int8"].startswith("benchmark: int8 fails its quality gate: ")
+    table = (ctx2.work_dir / "results.md").read_text()
+    assert "Rejected (kept here with their numbers" in table and "- benchmark: int8 fails its quality gate" in table
 
 
 FAKES = Path(__file__).resolve().parents[1] / "fakes"

@@ -99,5 +99,8 @@ def test_every_shipped_config_validates(path, tmp_path, monkeypatch):
         save_file({hf.to_hf_name(k): v.contiguous() for k, v in model.state_dict().items()}, str(folder / hf.SINGLE))
         (folder / hf.CONFIG_JSON).write_text(json.dumps(hf.hf_config(args, "fp32")))
         train_tokenizer(["def main(argv):\n    return len(argv)\n"] * 4, 300).save(str(folder / "tokenizer.json"))
+        # smollm2_chat.yaml takes the model's own chat template (the imported GGUF's): chatml, as SmolLM2's is
+        template = (ROOT / "llmpipe" / "chat" / "templates" / "chatml.jinja").read_text()
+        (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     cfg = config_mod.load(path)
     assert cfg.run_dir().parent.name == "artifacts"

@@ -13,6 +13,7 @@ import onnx
 import pytest
 from safetensors.torch import save_file
 
+from llmpipe.bench.quality import enforce_gates
 from llmpipe.config import from_dict
 from llmpipe.data.tokenizer import train_tokenizer
 from llmpipe.export import fused
@@ -274,11 +275,14 @@ def test_an_ort_graph_beyond_its_gate_fails_in_one_line_naming_that_graph(benche
     m = deploy.Models(ARGS, model.eval(), variants, {}, 64, 1, requested=["fp32", "int4"],
                       fused={"fp32": stage_dir(run, "export_onnx") / "ort",
                              "int4": bench_dir / "variants" / "int4" / "ort"})
-    with pytest.raises(StageError) as err:
-        deploy.quality_results(m, ctx.input_path("prepare_data", "val_bin"), ctx.inputs["train"][0], cfg, 16,
+    q = deploy.quality_results(m, ctx.input_path("prepare_data", "val_bin"), ctx.inputs["train"][0], cfg, 16,
                                ctx.cfg.run.seed)
-    assert str(err.value).startswith(f"benchmark: int4 (ORT-optimised graph) fails its quality gate: top-1 "
-                                     f"agreement {top1:.4f} < benchmark.quality.int4.min_top1=1 ")
+    assert q["rejected"] == ["int4"]
+    assert q["variants"]["int4"]["rejected_because"].startswith(
+        f"benchmark: int4 (ORT-optimised graph) fails its quality gate: top-1 agreement {top1:.4f} < "
+        "benchmark.quality.int4.min_top1=1 ")
+    with pytest.raises(StageError, match=r"; int4 \(ORT-optimised graph\): top-1 agreement "):
+        enforce_gates(q["verdicts"], True, ["int4"])
 
 
 @pytest.mark.parametrize(("quantize", "message"), [

@@ -133,15 +133,27 @@ def test_each_variant_is_judged_by_its_own_limits_and_torch_always_passes():
     assert enforce_gates(verdicts, enforce=False) == ["int8", "om"]
 
 
-def test_an_enforced_gate_fails_with_one_line_naming_the_variant_value_limit_and_field():
+def test_a_required_variant_that_fails_fails_the_stage_in_one_line_naming_every_failing_variant():
     quality = QualitySection(int8={"max_ppl_increase": 0})
-    verdicts = judge({"fp16": _metrics(0.0, 1.0), "int8": _metrics(0.0312, 0.9)}, quality, sequences=16)
+    verdicts = judge({"fp16": _metrics(0.0, 0.5), "int8": _metrics(0.0312, 0.9), "fp32": _metrics(0.0, 1.0)},
+                     quality, sequences=16)
+    assert enforce_gates(verdicts, enforce=True) == ["fp16", "int8"]  # nothing required: recorded, fp32 deployable
     with pytest.raises(StageError) as err:
-        enforce_gates(verdicts, enforce=True)
+        enforce_gates(verdicts, enforce=True, required=["int8"])
     assert str(err.value) == (
-        "benchmark: int8 fails its quality gate: perplexity +3.12% > benchmark.quality.int8.max_ppl_increase=0 "
-        "(on 16 validation sequences; relax the limit or set benchmark.quality.enforce: false)")
-    assert enforce_gates(verdicts[:1], enforce=True) == []
+        "benchmark: required variant int8 (benchmark.require) failed; 2 of 3 failed their quality gates: "
+        "fp16: top-1 agreement 0.5000 < benchmark.quality.fp16.min_top1=0.98 on 16 validation sequences; "
+        "int8: perplexity +3.12% > benchmark.quality.int8.max_ppl_increase=0 on 16 validation sequences "
+        "(relax a limit under benchmark.quality, or set benchmark.quality.enforce: false)")
+    assert enforce_gates(verdicts, enforce=False, required=["int8"]) == ["fp16", "int8"]
+    assert enforce_gates(verdicts[2:], enforce=True, required=["fp32"]) == []
+
+
+def test_the_stage_fails_when_no_variant_is_left_deployable():
+    verdicts = judge({"fp32": _metrics(0.5, 1.0), "int8": _metrics(0.0, 0.5)}, QualitySection(), sequences=4)
+    with pytest.raises(StageError, match=r"^benchmark: no variant is left deployable; 2 of 2 failed their quality "
+                                         r"gates: fp32: perplexity \+50.00% > .*; int8: top-1 agreement 0.5000 < "):
+        enforce_gates(verdicts, enforce=True)
 
 
 def test_a_limit_set_to_null_is_no_limit_and_nan_fails_any_limit():
@@ -150,7 +162,7 @@ def test_a_limit_set_to_null_is_no_limit_and_nan_fails_any_limit():
     [nan] = judge({"fp16": _metrics(math.nan, 1.0)}, QualitySection())
     assert (nan.passed, nan.metric, nan.limit) == (False, "max_ppl_increase", 0.01)
     assert nan.message().startswith("benchmark: fp16 fails its quality gate: perplexity +nan% is not finite, "
-                                    "limit benchmark.quality.fp16.max_ppl_increase=0.01 (relax")
+                                    "limit benchmark.quality.fp16.max_ppl_increase=0.01 (rejected")
 
 
 # ---- the parity chain -----------------------------------------------------------------------

@@ -112,10 +112,11 @@ def test_a_quantised_variant_beyond_its_gate_fails_the_stage_in_one_line(stage):
     ctx, results, inputs = stage
     top1 = results["quality"]["variants"]["int4"]["top1"]
     ctx2 = _ctx(ctx.work_dir.parent, inputs, variants=["fp32", "int4"], torch_baseline=False, shapes=[[1, 16]],
-                quality={**QUALITY, "enforce": True, "int4": {"min_top1": 1.0}})
+                quality={**QUALITY, "enforce": True, "int4": {"min_top1": 1.0}}, require=["int4"])
     with pytest.raises(StageError) as err:
         bench.run(ctx2)
-    assert str(err.value).startswith(f"benchmark: int4 fails its quality gate: top-1 agreement {top1:.4f} < "
+    assert str(err.value).startswith("benchmark: required variant int4 (benchmark.require) failed; 1 of 2 failed "
+                                     f"their quality gates: int4: top-1 agreement {top1:.4f} < "
                                      "benchmark.quality.int4.min_top1=1 ")
     assert "\n" not in str(err.value)
 
