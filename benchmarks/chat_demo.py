@@ -120,9 +120,9 @@ def main() -> int:
         names = {"before": f"before ({a.base.name})", "after": f"after ({a.chat.name})"}
     fams = [k for k in results["after"] if k not in ("seconds",)]
     print(f"\nexact match on {len(questions)} held-out questions ({a.questions}), greedy")
-    print(f"{'family':<12}{'asked':>7}" + "".join(f"{n:>34}" for n in names.values()))
+    print(f"{'family':<12}{'asked':>7}" + "".join(f"  {n:>34}" for n in names.values()))
     for fam in fams:
-        cells = "".join(f"{results[k][fam]['right']:>24} = {results[k][fam]['accuracy']:6.1%}" for k in names)
+        cells = "".join(f"  {results[k][fam]['right']:>24} = {results[k][fam]['accuracy']:6.1%}" for k in names)
         print(f"{fam:<12}{results['after'][fam]['asked']:>7}{cells}")
     if a.json:
         a.json.write_text(json.dumps(results, indent=2))
