@@ -97,5 +97,10 @@ def run_lock(run_dir: Path) -> Iterator[bool]:
     finally:
         if (_read(path) or {}).get("pid") == me["pid"]:
             path.unlink(missing_ok=True)
-        if created and not any(run_dir.iterdir()):
-            run_dir.rmdir()  # nothing was produced: leave no empty run folder behind
+        if created and all(p.name == "logs" and p.is_dir() and not p.is_symlink() for p in run_dir.iterdir()):
+            # nothing was produced (bad input, refused before any work; its one error line was printed): leave no
+            # run folder behind, not even the stage log of that refusal
+            import shutil
+
+            shutil.rmtree(run_dir / "logs", ignore_errors=True)
+            run_dir.rmdir()
