@@ -83,7 +83,9 @@ def _module():
 
 @pytest.mark.parametrize("args, message", [
     (["--flavor", "llama-2b"], "error: --flavor: unknown flavor 'llama-2b' (known: debug, tiny, small, llama-1b, "
-                               "llama-7b, llama-13b, llama-70b)"),
+                               "llama-7b, llama-13b, llama-70b, qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, "
+                               "qwen2.5-0.5b, qwen2.5-1.5b, qwen2.5-3b, qwen2.5-7b, llama3.2-1b, llama3.2-3b, "
+                               "smollm2-135m, smollm2-360m)"),
     (["--device", "cpu", "--steps", "1"], "error: --steps 1: must be >= 2"),
     (["--device", "cpu", "--seq", "4096"], "error: --seq 4096: exceeds debug's max_seq_len 512"),
     (["--device", "cpu", "--json", "/nonexistent-folder/x.json"], "error: --json: folder /nonexistent-folder does "

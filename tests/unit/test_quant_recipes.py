@@ -170,5 +170,5 @@ def test_without_llama_cpp_the_gguf_variants_are_recorded_as_skipped_with_the_re
     out = gguf_variants.results({"gguf_q8_0": path}, None, None, BenchmarkSection(), 2, 300, 0)
     why = "llama-cpp-python is not installed (pip install 'llmpipe[llamacpp]')"
     assert out == {"variants": {"gguf_q8_0": {"file": path.name, "bytes": path.stat().st_size, "skipped": why}},
-                   "rejected": []}
+                   "rejected": [], "verdicts": []}
     assert f"skipped: {why}" in gguf_variants.markdown(out)
