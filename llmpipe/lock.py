@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import socket
 import time
 from collections.abc import Iterator
@@ -100,7 +101,5 @@ def run_lock(run_dir: Path) -> Iterator[bool]:
         if created and all(p.name == "logs" and p.is_dir() and not p.is_symlink() for p in run_dir.iterdir()):
             # nothing was produced (bad input, refused before any work; its one error line was printed): leave no
             # run folder behind, not even the stage log of that refusal
-            import shutil
-
             shutil.rmtree(run_dir / "logs", ignore_errors=True)
             run_dir.rmdir()
