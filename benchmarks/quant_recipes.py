@@ -67,7 +67,7 @@ def recipes() -> list[Recipe]:
         return Recipe(name, "int4", "builder", {"precision": "int4", "block_size": block,
                                                 "is_symmetric": str(sym).lower(), **extra})
 
-    head8 = {"matmul_mixed_precision": "last_matmul:int8"}
+    head8 = {"matmul_mixed_precision": "last_matmul:int8", "shared_embeddings": "false"}  # see fused.weight_only_options
     return [
         Recipe("fp32", "fp32", "builder", {"precision": "fp32"}),
         int4("b128-asym", 128, False), int4("b32-asym", 32, False), int4("b32-sym", 32, True),
@@ -79,6 +79,12 @@ def recipes() -> list[Recipe]:
         Recipe("hqq-b64-head8", "int4", "hqq", {"block_size": 64, "head8": True}),
         Recipe("hqq-b128-head8", "int4", "hqq", {"block_size": 128, "head8": True}),
         Recipe("hqq-b32-head8-acc4", "int4", "hqq", {"block_size": 32, "head8": True, "acc4": True}),
+        Recipe("hqq-b32-head8-acc4-fold", "int4", "hqq", {"block_size": 32, "head8": True, "acc4": True, "fold": True}),
+        Recipe("hqq-b64-head8-acc4-fold", "int4", "hqq", {"block_size": 64, "head8": True, "acc4": True, "fold": True}),
+        Recipe("hqq-b128-head8-acc4-fold", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True,
+                                                           "fold": True}),
+        Recipe("hqq-b32-head8-fold", "int4", "hqq", {"block_size": 32, "head8": True, "fold": True}),
+        Recipe("hqq-b32-acc4-fold", "int4", "hqq", {"block_size": 32, "acc4": True, "fold": True}),
         Recipe("hqq-b128-head8-acc4", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True}),
         Recipe("rtn2-b32", "int4", "rtn2", {"block_size": 32}),
         Recipe("int8w", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "false"}),
@@ -178,7 +184,8 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None) -> Path:
         del model
         if r.kind == "hqq":
             quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", 4, r.options["block_size"],
-                                 4 if r.options.get("acc4") else 0, False, "hqq", 8 if r.options.get("head8") else None)
+                                 4 if r.options.get("acc4") else 0, False, "hqq", 8 if r.options.get("head8") else None,
+                                 zero_points="integer" if r.options.get("fold") else "float")
         else:
             quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", 2, r.options["block_size"], 4, True)
     elif r.kind == "dyn8":

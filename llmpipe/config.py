@@ -716,6 +716,11 @@ class WeightOnlySection(Section):
                                            "(onnxruntime's half-quadratic optimisation of them, float zero points).")
     head_bits: Literal[4, 8] | None = Res(None, added=True, description="Bits of the output head's weights "
                                           "(the last MatMul, whose errors go straight into the logits); null: bits.")
+    zero_points: Literal["integer", "float"] = Res("integer", added=True, description="hqq's zero points: "
+                                                   "integer (its float ones folded into integers plus appended "
+                                                   "block-sum rows: onnxruntime's fast kernel, llmpipe.infer.fold) "
+                                                   "or float (as HQQ found them: onnxruntime dequantises them on "
+                                                   "every call, an eighth of fp32's speed). rtn's are integer.")
 
     @field_validator("bits")
     @classmethod
@@ -733,12 +738,12 @@ class WeightOnlySection(Section):
 
 
 def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort_block_size: int | None,
-                 algorithm: str = "rtn", head_bits: int | None = None) -> Any:
+                 algorithm: str = "rtn", head_bits: int | None = None, zero_points: str = "integer") -> Any:
     """A WeightOnlySection subclass with this variant's defaults (as _gate does for the limits)."""
     return type(f"{name.capitalize()}Quant", (WeightOnlySection,), {
         "__annotations__": {"bits": "int", "block_size": "int", "accuracy_level": "int",
                             "ort_block_size": "int | None", "algorithm": 'Literal["rtn", "hqq"]',
-                            "head_bits": "Literal[4, 8] | None"},
+                            "head_bits": "Literal[4, 8] | None", "zero_points": 'Literal["integer", "float"]'},
         "bits": Res(bits, description=f"Bits per weight of {name}: 2, 4 or 8 (the widths MatMulNBits packs)."),
         "block_size": Res(block_size, description=f"Input rows per scale of {name}: a power of two, 16 or more."),
         "accuracy_level": Res(accuracy_level, ge=0, le=4, description=f"MatMulNBits compute type of {name}'s "
@@ -751,17 +756,21 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
                          "optimisation of them, float zero points)."),
         "head_bits": Res(head_bits, added=True, description=f"Bits of {name}'s output head (the last MatMul, whose "
                          "errors go straight into the logits); null: bits."),
+        "zero_points": Res(zero_points, added=True, description=f"{name}'s hqq zero points: integer (folded into "
+                           "integers plus appended block-sum rows: onnxruntime's fast kernel) or float (its slow "
+                           "path). rtn's are integer."),
         "__module__": __name__,
     })
 
 
 # Defaults from measurement on SmolLM2-135M-Instruct (benchmarks/quant_recipes.py, docs/measurements/
-# quantisation.md): int4 with integer zero points fails its gate at every setting tried (round to nearest,
-# blocks of 128 +85% / top-1 0.60; blocks of 32 with the head at 8 bits +29% / 0.72, the best of them; k_quant
-# the same); HQQ (float zero points) holds at +0.1% / 0.978 but onnxruntime's CPU kernel dequantises float zero
-# points on every call: 1.4 decode tokens/s against fp32's 10.8, so it is an option (algorithm: hqq), not the
-# default. The default is the best of the fast ones: blocks of 32, the head at 8 bits.
-Int4Quant, Int8wQuant = _weight_only("int4", 4, 32, 4, None, "rtn", 8), _weight_only("int8w", 8, 32, 4, None)
+# quantisation.md): int4 with integer zero points from round to nearest fails its gate at every setting tried
+# (blocks of 128 +85% / top-1 0.60; blocks of 32 with the head at 8 bits +29% / 0.71, the best of them; k_quant
+# the same). HQQ in blocks of 32 with the head at 8 bits holds (+0.1% / 0.986 with float zero points; +1.1% /
+# 0.943 folded to integer zero points at accuracy level 4), and folded it runs on onnxruntime's fast kernel
+# (within a tenth of round to nearest's decode speed), so that is the default.
+Int4Quant = _weight_only("int4", 4, 32, 4, None, "hqq", 8)
+Int8wQuant = _weight_only("int8w", 8, 32, 4, None)
 
 
 class QuantizeSection(Section):

@@ -47,6 +47,10 @@ def weight_only_options(section) -> tuple[str, dict[str, str]] | None:
              "is_symmetric": "true" if section.symmetric else "false"}
     if section.head_bits and section.head_bits != section.bits:
         extra["matmul_mixed_precision"] = f"last_matmul:int{section.head_bits}"
+        # NOTE: for a tied model the builder (onnxruntime-genai 0.18) shares the head's quantized matrix with
+        # the embedding's GatherBlockQuantized, and with the head at other bits it points the Gather at a
+        # tensor it never writes (the graph does not load): the embedding stays its own fp32 Gather instead
+        extra["shared_embeddings"] = "false"
     return precision, extra
 
 
@@ -71,7 +75,7 @@ def build_weight_only(hf_dir: Path, out_dir: Path, section, timeout_s: float = 3
     try:
         quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", section.bits,
                              section.ort_block_size or section.block_size, section.accuracy_level,
-                             section.symmetric, section.algorithm, section.head_bits)
+                             section.symmetric, section.algorithm, section.head_bits, section.zero_points)
     except Exception as err:  # the quantizer's failure names the graph; nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

@@ -102,7 +102,8 @@ def _size(src: Path) -> int:
 
 
 def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int,
-                         symmetric: bool = False, algorithm: str = "rtn", head_bits: int | None = None) -> list[Path]:
+                         symmetric: bool = False, algorithm: str = "rtn", head_bits: int | None = None,
+                         zero_points: str = "integer") -> list[Path]:
     """Weight-only quantization with onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant
     weight becomes MatMulNBits (`bits`-bit weights in blocks of `block_size` input rows, one fp32 scale
     and zero point per block); activations stay fp32 unless `accuracy_level` 4 (int8 activations inside
@@ -110,8 +111,12 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     `algorithm`: rtn (round to nearest from each block's range) or hqq (the quantizer's half-quadratic
     optimisation of scales and float zero points). `head_bits`: the output head's width when it differs
     (8: a second round-to-nearest pass over the head alone, which on SmolLM2-135M is what keeps 4-bit within
-    its gates; docs/measurements/quantisation.md)."""
+    its gates; docs/measurements/quantisation.md). `zero_points`: integer folds hqq's float zero points into
+    integer ones and appended block-sum rows (llmpipe.infer.fold), onnxruntime's fast kernel path; float
+    keeps them (its slow path, dequantising every call)."""
     import onnx
+
+    from llmpipe.infer import fold
 
     # NOTE: the quantizer's module logger has a handler of its own and logs a line per node at INFO.
     own = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -121,6 +126,8 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     try:
         head = fp32_matmuls(src, ["head"]) if head_bits and head_bits != bits else []
         model = _nbits(onnx.load(str(src)), bits, block_size, accuracy_level, symmetric, algorithm, exclude=head)
+        if algorithm == "hqq" and zero_points == "integer":
+            fold.fold_model(model)
         if head:
             # NOTE: blocks of 32 for the head, as llama.cpp's q8_0 (what the shipped SmolLM2 GGUF keeps it at)
             model = _nbits(model, head_bits, 32, accuracy_level, symmetric, "rtn", include=head)
@@ -254,7 +261,8 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
                 raise ValueError(f"{variant} needs the benchmark.quantize settings, none were given")
             section = getattr(quantize, variant)
             return quantize_weight_only(src, dst, section.bits, section.block_size, section.accuracy_level,
-                                        section.symmetric, section.algorithm, section.head_bits)
+                                        section.symmetric, section.algorithm, section.head_bits,
+                                        section.zero_points)
         return make
 
     def static(src, dst):

@@ -19,8 +19,9 @@ from llmpipe.export.onnx import export_prefill
 from llmpipe.infer.ort import create_session, quantize_weight_only
 from llmpipe.models.llama import FLAVORS, Transformer
 
-# (bits, algorithm, head_bits) of each recipe; what quant_recipes.py measures on SmolLM2-135M
-RECIPES = {"rtn-head8": (4, "rtn", 8), "hqq-head8": (4, "hqq", 8), "rtn2": (2, "rtn", None)}
+# (bits, algorithm, head_bits, zero_points) of each recipe; what quant_recipes.py measures on SmolLM2-135M
+RECIPES = {"rtn-head8": (4, "rtn", 8, "integer"), "hqq-head8": (4, "hqq", 8, "integer"),
+           "hqq-head8-float": (4, "hqq", 8, "float"), "rtn2": (2, "rtn", None, "integer")}
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +50,9 @@ def _matmulnbits_bits(path: Path) -> list[int]:
 
 def test_each_recipe_loads_and_its_quality_numbers_are_computed_with_the_head_at_its_own_width(confident):
     root, _, ids, ref = confident
-    for name, (bits, algorithm, head_bits) in RECIPES.items():
+    for name, (bits, algorithm, head_bits, zero_points) in RECIPES.items():
         out = root / f"{name}.onnx"
-        quantize_weight_only(root / "model.onnx", out, bits, 32, 4, bits == 2, algorithm, head_bits)
+        quantize_weight_only(root / "model.onnx", out, bits, 32, 4, bits == 2, algorithm, head_bits, zero_points)
         m = quality.text_metrics(ids, ref, _logits(out, ids))
         assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, (name, m)
         widths = _matmulnbits_bits(out)
@@ -76,10 +77,10 @@ def test_a_recipe_forced_to_damage_the_model_is_rejected_by_the_default_gates_an
     gates = QualitySection()
     verdicts = {}
     for name in ("hqq-head8", "rtn2"):
-        bits, algorithm, head_bits = RECIPES[name]
+        bits, algorithm, head_bits, zero_points = RECIPES[name]
         if not (root / f"{name}.onnx").is_file():  # made by the test above when it ran
             quantize_weight_only(root / "model.onnx", root / f"{name}.onnx", bits, 32, 4, bits == 2, algorithm,
-                                 head_bits)
+                                 head_bits, zero_points)
         m = quality.text_metrics(ids, ref, _logits(root / f"{name}.onnx", ids))
         verdicts[name] = quality.judge({"int4": m}, gates)[0]
     assert verdicts["hqq-head8"].passed, verdicts["hqq-head8"].message()
@@ -87,16 +88,19 @@ def test_a_recipe_forced_to_damage_the_model_is_rejected_by_the_default_gates_an
     assert verdicts["rtn2"].message().startswith("benchmark: int4 fails its quality gate: ")
 
 
-def test_the_int4_default_keeps_the_head_at_8_bits_in_both_graphs_and_hqq_is_an_option():
+def test_the_int4_default_is_folded_hqq_with_the_head_at_8_bits_and_rtn_is_an_option():
     from llmpipe.export import fused
 
     q = QuantizeSection()
-    assert (q.int4.algorithm, q.int4.head_bits, q.int4.block_size, q.int4.ort_block_size) == ("rtn", 8, 32, None)
+    assert (q.int4.algorithm, q.int4.zero_points, q.int4.head_bits, q.int4.block_size, q.int4.ort_block_size) == \
+        ("hqq", "integer", 8, 32, None)
     assert (q.int8w.algorithm, q.int8w.head_bits) == ("rtn", None)
     assert (q.dynamic_per_channel, q.dynamic_keep_fp32) == (True, ["down", "head"])
     assert fused.weight_only_options(q.int4)[1]["matmul_mixed_precision"] == "last_matmul:int8"
     assert "matmul_mixed_precision" not in fused.weight_only_options(q.int8w)[1]
-    assert QuantizeSection.model_validate({"int4": {"algorithm": "hqq"}}).int4.algorithm == "hqq"
+    assert QuantizeSection.model_validate({"int4": {"algorithm": "rtn"}}).int4.algorithm == "rtn"
+    # a tied model's builder graph with the head at other bits keeps its own embedding (the shared one breaks)
+    assert fused.weight_only_options(q.int4)[1]["shared_embeddings"] == "false"
 
 
 # ------------------------------------------------------------------------------------------------ GGUF
