@@ -345,10 +345,40 @@ def main(argv=None) -> None:
         gc.collect()
     result = {"hf": str(a.hf), "samples": a.samples, "seq": a.seq, "prompt": a.prompt, "new": a.new,
               "repeats": a.repeats, "threads": a.threads, "rows": rows, "skipped": skipped}
+    result["peers"] = peers(result)
     print()
     print(table(result))
+    print()
+    print(peers_table(result))
     if a.json:
         a.json.write_text(json.dumps(result, indent=1))
+
+
+def peers(result: dict) -> dict[str, dict]:
+    """Per threads x batch measured: the fastest llmpipe graph and the fastest llama.cpp file that pass their
+    default gates, and the ratio of their decode speeds (what issue 37 asks to be >= 1.3 at batch 1)."""
+    out = {}
+    keys = sorted({k for r in result["rows"].values() for k in r["decode"]})
+    for key in keys:
+        best = {}
+        for side, kinds in (("llmpipe", lambda k: k != "gguf"), ("llama.cpp", lambda k: k == "gguf")):
+            cands = [(r["decode"][key]["median"], name) for name, r in result["rows"].items()
+                     if kinds(r["kind"]) and r.get("gate") == "pass" and name != "fp32" and key in r["decode"]]
+            best[side] = max(cands) if cands else None
+        if best["llmpipe"] and best["llama.cpp"]:
+            out[key] = {"llmpipe": best["llmpipe"][1], "llmpipe_tok_s": best["llmpipe"][0],
+                        "llama.cpp": best["llama.cpp"][1], "llama.cpp_tok_s": best["llama.cpp"][0],
+                        "ratio": best["llmpipe"][0] / best["llama.cpp"][0]}
+    return out
+
+
+def peers_table(result: dict) -> str:
+    lines = ["| threads, batch | fastest passing llmpipe | tok/s | fastest passing llama.cpp | tok/s | ratio |",
+             "|---|---|--:|---|--:|--:|"]
+    for key, p in result.get("peers", {}).items():
+        lines.append(f"| {key[1]} thr, b{key[3:]} | {p['llmpipe']} | {p['llmpipe_tok_s']:.1f} | {p['llama.cpp']} | "
+                     f"{p['llama.cpp_tok_s']:.1f} | {p['ratio']:.2f}x |")
+    return "\n".join(lines)
 
 
 def table(result: dict) -> str:

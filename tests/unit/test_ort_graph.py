@@ -402,7 +402,8 @@ def test_the_builders_options_follow_the_runs_quantize_settings():
     q = QuantizeSection()
     assert fused.weight_only_options(q.int4) == ("int4", {"block_size": "32", "accuracy_level": "4",
                                                           "is_symmetric": "false",
-                                                          "matmul_mixed_precision": "last_matmul:int8"})
+                                                          "matmul_mixed_precision": "last_matmul:int8",
+                                                          "shared_embeddings": "false"})
     assert fused.weight_only_options(q.int8w) == ("int8", {"block_size": "32", "accuracy_level": "4",
                                                            "is_symmetric": "false"})
     q = QuantizeSection.model_validate({"int4": {"bits": 2}, "int8w": {"symmetric": True, "ort_block_size": 64}})
