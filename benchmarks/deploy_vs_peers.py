@@ -14,7 +14,13 @@ consolidated hf/ folder) the weights are written as consolidate writes hf/, then
   onnxruntime session (the cache one buffer bound in place, sized to the generation);
 - llmpipe static fp32 / static int8: export_onnx's portable graphs (model.onnx + decoder_static.onnx, a
   --cache slot cache) in StaticEngine, int8 the benchmark stage's dynamic-int8 variant of both;
-- torch: PyTorch eager with its KV cache (TorchEngine), fp32.
+- torch: PyTorch eager with its KV cache (TorchEngine), fp32;
+- llamacpp-f16 / llamacpp-q8_0 / llamacpp-q4_0: llama.cpp (llama-cpp-python, when installed: an optional extra)
+  on export.gguf's file of the same hf/ folder (llmpipe.export.gguf), batch 1 only (one sequence per context).
+
+Which of these hold on a real model is a question of quality, not of speed: benchmarks/quant_recipes.py runs
+each llmpipe recipe and each llama.cpp file of SmolLM2-135M-Instruct through the same default gates and prints
+the speed ratio of the fastest passing on each side (docs/measurements/quantisation.md).
 
 Measured, as llmpipe.infer.decode.generate defines them: decode tokens/s (batch * (n - 1) / time after
 the first token: the first token excluded) at batch 1 and 8 from a --decode-prompt prompt, --new-tokens
@@ -68,12 +74,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-prompts", default="128,512")
     p.add_argument("--batches", default="1,8")
     p.add_argument("--engines", default="torch,static-fp32,static-int8,fused-fp32,fused-int4,fused-int8w,genai-fp32,"
-                   "genai-int4")
+                   "genai-int4", help="comma-separated; add llamacpp (or llamacpp-f16, -q8_0, -q4_0) for llama.cpp")
     p.add_argument("--json", type=Path, help="also write the results here")
     a = p.parse_args(argv)
     a.ttft_prompts = [int(x) for x in a.ttft_prompts.split(",")]
     a.batches = [int(x) for x in a.batches.split(",")]
     a.engines = a.engines.split(",")
+    if "llamacpp" in a.engines:  # shorthand: every llama.cpp type export.gguf writes
+        i = a.engines.index("llamacpp")
+        a.engines[i:i + 1] = ["llamacpp-f16", "llamacpp-q8_0", "llamacpp-q4_0"]
+    if any(e.startswith("llamacpp-") for e in a.engines):
+        import importlib.util
+
+        if importlib.util.find_spec("llama_cpp") is None:
+            p.error("the llamacpp engines need llama-cpp-python (pip install 'llmpipe[llamacpp]')")
     if max(a.ttft_prompts + [a.decode_prompt]) + a.new_tokens > a.cache:
         p.error(f"--cache {a.cache}: too small for the longest prompt + --new-tokens")
     return a
@@ -111,6 +125,33 @@ class GenaiRunner:
             out.append(gen.get_next_tokens())
         spent = time.perf_counter() - t0 - ttft
         return np.stack(out, axis=1), ttft, (B * (n - 1) / spent if n > 1 else None)
+
+
+class LlamaCppRunner:
+    """llama.cpp on a GGUF file, greedy, timed as decode.generate times an engine; one sequence (batch 1)."""
+
+    batch1_only = True
+
+    def __init__(self, path: Path, threads: int, cache: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(str(path), n_ctx=cache, n_batch=cache, n_ubatch=cache, n_threads=threads,
+                                   n_threads_batch=threads, verbose=False)
+        self.graph = None
+
+    def generate(self, ids: np.ndarray, n: int) -> tuple[np.ndarray, float, float | None]:
+        if ids.shape[0] != 1:
+            raise ValueError("llama.cpp runs batch 1 here")
+        self.llm.reset()
+        t0 = time.perf_counter()
+        self.llm.eval(ids[0].tolist())
+        out = [int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))]
+        ttft = time.perf_counter() - t0
+        for _ in range(n - 1):
+            self.llm.eval([out[-1]])
+            out.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+        spent = time.perf_counter() - t0 - ttft
+        return np.array([out]), ttft, ((n - 1) / spent if n > 1 else None)
 
 
 class EngineRunner:
@@ -172,6 +213,11 @@ def runners(model: Transformer, hf: Path, a: argparse.Namespace, folder: Path) -
             out[name] = EngineRunner(lambda b=built: FusedEngine(
                 create_session(b / "model.onnx", cpu, a.threads), GraphConfig.read(b), a.cache))
         out[name].graph = built / "model.onnx"
+    for name in [e for e in a.engines if e.startswith("llamacpp-")]:
+        from llmpipe.export import gguf
+
+        path = gguf.write(hf, folder / f"{name}.gguf", name.removeprefix("llamacpp-"))
+        out[name] = LlamaCppRunner(path, a.threads, a.cache)
     if "static-fp32" in out:
         out["static-fp32"].graph = folder / "decoder_static.onnx"
     if "static-int8" in out:
@@ -228,7 +274,8 @@ def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
     reference = eng["torch"].generate(decode_ids[1], a.new_tokens)[0] if "torch" in eng else None
     for r in eng.values():  # warm-up: every shape once
         for b in a.batches:
-            r.generate(decode_ids[b], 4)
+            if b == 1 or not getattr(r, "batch1_only", False):
+                r.generate(decode_ids[b], 4)
         for t in a.ttft_prompts:
             r.generate(ttft_ids[t], 1)
     best = {name: {**{f"decode_b{b}": 0.0 for b in a.batches}, **{f"ttft_{t}": float("inf") for t in a.ttft_prompts}}
@@ -239,6 +286,8 @@ def measure(flavor: str, a: argparse.Namespace, folder: Path) -> dict:
         order = list(eng) if rep % 2 == 0 else list(reversed(eng))
         for b in a.batches:
             for name in order:
+                if b > 1 and getattr(eng[name], "batch1_only", False):
+                    continue
                 tokens, _, tps = eng[name].generate(decode_ids[b], a.new_tokens)
                 best[name][f"decode_b{b}"] = max(best[name][f"decode_b{b}"], tps)
                 samples[name][f"decode_b{b}"].append(tps)
@@ -263,6 +312,8 @@ def _ratio(res: dict, num: str, den: str, key: str) -> str:
     if num not in b or den not in b:
         return "-"
     paired = sorted(x / y for x, y in zip(res["samples"][num][key], res["samples"][den][key]))
+    if not paired:
+        return "-"
     return (f"{b[num][key] / b[den][key]:.2f} (paired: median {float(np.median(paired)):.2f}, "
             f"{paired[0]:.2f}-{paired[-1]:.2f})")
 
@@ -282,7 +333,8 @@ def report(results: dict, a: argparse.Namespace, bandwidth: float) -> None:
     print("|---|---|" + "---|" * len(keys) + "---|---|---|---|")
     for flavor, res in results.items():
         for name, best in res["best"].items():
-            cells = " | ".join(f"{best[k]:.1f}" if k.startswith("decode") else f"{1e3 * best[k]:.1f}" for k in keys)
+            cells = " | ".join(("-" if not best[k] else f"{best[k]:.1f}") if k.startswith("decode")
+                               else f"{1e3 * best[k]:.1f}" for k in keys)
             agree = res["greedy_agreement_with_torch"].get(name)
             w = res["step_weight_bytes"].get(name)
             bound = bandwidth / w if w else None
@@ -302,6 +354,8 @@ def report(results: dict, a: argparse.Namespace, bandwidth: float) -> None:
                 top = max(gated, key=lambda g: res["best"][g][key])
                 parts.append(f"fastest gated variant ({top})/genai-int4 b{b} {_ratio(res, top, 'genai-int4', key)}")
             for num, den in (("fused-int4", "genai-int4"), ("fused-int8w", "genai-int4"), ("static-int8", "genai-int4"),
+                             ("fused-int4", "llamacpp-q8_0"), ("fused-int4", "llamacpp-q4_0"),
+                             ("fused-int8w", "llamacpp-q8_0"),
                              ("fused-fp32", "genai-fp32"), ("static-fp32", "genai-fp32"), ("fused-fp32", "torch"),
                              ("static-fp32", "torch")):
                 parts.append(f"{num}/{den} b{b} {_ratio(res, num, den, key)}")
