@@ -112,6 +112,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--batches", default="1,8")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--llama-cpp-batch", type=int, help="prompt tokens per llama.cpp call (default: the whole "
+                   "prompt); 1 sidesteps llama.cpp's AMX kernels, which crash on batches > 1 on some Xeons (a "
+                   "native build of llama-cpp-python 0.3.36 on Sapphire Rapids: docs/measurements/quantisation.md)")
     p.add_argument("--json", type=Path)
     p.add_argument("--no-quality", action="store_true", help="time --speed's recipes only (give --speed names)")
     p.add_argument("--table", type=Path, help="print the table of an earlier --json, judged by today's default "
@@ -231,10 +234,13 @@ class OrtRunner:
 
 
 class LlamaCppRunner:
+    batch: int | None = None  # prompt tokens per llama.cpp eval call (--llama-cpp-batch); None: the whole prompt
+
     def __init__(self, folder: Path, threads: int, cache: int, logits_all: bool = False):
         import llama_cpp
 
-        self.llm = llama_cpp.Llama(str(folder / "model.gguf"), n_ctx=cache, n_batch=cache, n_ubatch=cache,
+        batch = self.batch or cache
+        self.llm = llama_cpp.Llama(str(folder / "model.gguf"), n_ctx=cache, n_batch=batch, n_ubatch=batch,
                                    n_threads=threads, n_threads_batch=threads, logits_all=logits_all, verbose=False)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
@@ -262,6 +268,17 @@ def runner(r: Recipe, folder: Path, threads: int, cache: int, for_quality: bool 
     return OrtRunner(folder, threads, cache)
 
 
+def llama_cpp_build() -> str | None:
+    """llama-cpp-python's version and its CPU features (the build decides llama.cpp's kernels), or None."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    info = llama_cpp.llama_print_system_info().decode(errors="replace")
+    feats = [f.split("=")[0].split(":")[-1].strip() for f in info.split("|") if f.strip().endswith("= 1")]
+    return f"llama-cpp-python {llama_cpp.__version__} ({' '.join(feats)})"
+
+
 def llama_cpp_reason() -> str | None:
     import importlib.util
 
@@ -287,6 +304,7 @@ def main(argv=None) -> None:
         print(table(result))
         return
     a.work.mkdir(parents=True, exist_ok=True)
+    LlamaCppRunner.batch = a.llama_cpp_batch
     chosen = recipes() if a.recipes == "all" else [r for r in recipes() if r.name in a.recipes.split(",") or
                                                    r.name == "fp32"]
     skipped = {}
@@ -343,7 +361,7 @@ def main(argv=None) -> None:
                       f"({min(rs):.1f}-{max(rs):.1f})", flush=True)
         del engines
         gc.collect()
-    result = {"hf": str(a.hf), "samples": a.samples, "seq": a.seq, "prompt": a.prompt, "new": a.new,
+    result = {"hf": str(a.hf), "llama_cpp": llama_cpp_build(), "samples": a.samples, "seq": a.seq, "prompt": a.prompt, "new": a.new,
               "repeats": a.repeats, "threads": a.threads, "rows": rows, "skipped": skipped}
     result["peers"] = peers(result)
     print()
