@@ -63,9 +63,10 @@ class LlamaCppEngine:
         return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)[None]  # (1, vocab)
 
 
-def files(export_dir: Path, outputs: dict[str, str]) -> dict[str, Path]:
-    """variant name -> its file, for every gguf_<type> export_onnx wrote."""
-    return {name: Path(export_dir) / rel for name, rel in outputs.items() if name.startswith(PREFIX)}
+def files(export_dir: Path, manifest) -> dict[str, Path]:
+    """variant name -> its file, for every gguf_<type> export_onnx's manifest (llmpipe.manifest.Manifest) lists
+    (resolved inside `export_dir`, as every stage input is)."""
+    return {name: manifest.path(export_dir, name) for name in manifest.outputs if name.startswith(PREFIX)}
 
 
 def decode_rate(engine: LlamaCppEngine, prompt: np.ndarray, new: int) -> float:

@@ -482,7 +482,7 @@ def gguf_results(ctx: StageContext, models, threads: int) -> dict[str, Any] | No
     from llmpipe.bench import deploy, gguf_variants, quality
 
     folder, manifest = ctx.inputs["export_onnx"]
-    found = gguf_variants.files(folder, manifest.outputs)
+    found = gguf_variants.files(folder, manifest)
     if not found:
         return None
     cfg = ctx.cfg.benchmark

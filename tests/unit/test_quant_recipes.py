@@ -176,3 +176,13 @@ def test_without_llama_cpp_the_gguf_variants_are_recorded_as_skipped_with_the_re
     assert out == {"variants": {"gguf_q8_0": {"file": path.name, "bytes": path.stat().st_size, "skipped": why}},
                    "rejected": [], "verdicts": []}
     assert f"skipped: {why}" in gguf_variants.markdown(out)
+
+
+def test_the_gguf_variants_are_found_from_export_onnxs_manifest_as_written(hf_folder, tmp_path):
+    from llmpipe.manifest import Manifest, file_entry
+
+    (tmp_path / "gguf").mkdir()
+    gguf_export.write(hf_folder, tmp_path / "gguf" / "model-q8_0.gguf", "q8_0")
+    manifest = Manifest("export_onnx", "completed", "fp", {"gguf_q8_0": file_entry(tmp_path, "gguf/model-q8_0.gguf")})
+    manifest.write(tmp_path)
+    assert gguf_variants.files(tmp_path, Manifest.read(tmp_path)) == {"gguf_q8_0": tmp_path / "gguf" / "model-q8_0.gguf"}
