@@ -67,7 +67,8 @@ def recipes() -> list[Recipe]:
         return Recipe(name, "int4", "builder", {"precision": "int4", "block_size": block,
                                                 "is_symmetric": str(sym).lower(), **extra})
 
-    head8 = {"matmul_mixed_precision": "last_matmul:int8", "shared_embeddings": "false"}  # see fused.weight_only_options
+    # shared_embeddings: see fused.weight_only_options
+    head8 = {"matmul_mixed_precision": "last_matmul:int8", "shared_embeddings": "false"}
     return [
         Recipe("fp32", "fp32", "builder", {"precision": "fp32"}),
         int4("b128-asym", 128, False), int4("b32-asym", 32, False), int4("b32-sym", 32, True),
@@ -361,7 +362,8 @@ def main(argv=None) -> None:
                       f"({min(rs):.1f}-{max(rs):.1f})", flush=True)
         del engines
         gc.collect()
-    result = {"hf": str(a.hf), "llama_cpp": llama_cpp_build(), "samples": a.samples, "seq": a.seq, "prompt": a.prompt, "new": a.new,
+    result = {"hf": str(a.hf), "llama_cpp": llama_cpp_build(), "samples": a.samples, "seq": a.seq,
+              "prompt": a.prompt, "new": a.new,
               "repeats": a.repeats, "threads": a.threads, "rows": rows, "skipped": skipped}
     result["peers"] = peers(result)
     print()

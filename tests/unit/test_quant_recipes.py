@@ -185,4 +185,5 @@ def test_the_gguf_variants_are_found_from_export_onnxs_manifest_as_written(hf_fo
     gguf_export.write(hf_folder, tmp_path / "gguf" / "model-q8_0.gguf", "q8_0")
     manifest = Manifest("export_onnx", "completed", "fp", {"gguf_q8_0": file_entry(tmp_path, "gguf/model-q8_0.gguf")})
     manifest.write(tmp_path)
-    assert gguf_variants.files(tmp_path, Manifest.read(tmp_path)) == {"gguf_q8_0": tmp_path / "gguf" / "model-q8_0.gguf"}
+    found = gguf_variants.files(tmp_path, Manifest.read(tmp_path))
+    assert found == {"gguf_q8_0": tmp_path / "gguf" / "model-q8_0.gguf"}
