@@ -51,6 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe import device  # noqa: E402
+from llmpipe.bench import gguf_variants  # noqa: E402
 from llmpipe.config import QuantizeSection  # noqa: E402
 from llmpipe.export import fused  # noqa: E402
 from llmpipe.export.onnx import export_prefill, export_static_decoder  # noqa: E402
@@ -145,11 +146,11 @@ class LlamaCppRunner:
         self.llm.reset()
         t0 = time.perf_counter()
         self.llm.eval(ids[0].tolist())
-        out = [int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))]
+        out = [int(np.argmax(gguf_variants.last_logits(self.llm)))]
         ttft = time.perf_counter() - t0
         for _ in range(n - 1):
             self.llm.eval([out[-1]])
-            out.append(int(np.argmax(self.llm.scores[self.llm.n_tokens - 1])))
+            out.append(int(np.argmax(gguf_variants.last_logits(self.llm))))
         spent = time.perf_counter() - t0 - ttft
         return np.array([out]), ttft, ((n - 1) / spent if n > 1 else None)
 

@@ -48,7 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from llmpipe import device  # noqa: E402
-from llmpipe.bench import quality  # noqa: E402
+from llmpipe.bench import gguf_variants, quality  # noqa: E402
 from llmpipe.config import QualitySection  # noqa: E402
 from llmpipe.export import fused  # noqa: E402
 from llmpipe.infer.ort import create_session  # noqa: E402
@@ -89,6 +89,9 @@ def recipes() -> list[Recipe]:
         Recipe("hqq-b128-head8-acc4", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True}),
         Recipe("rtn2-b32", "int4", "rtn2", {"block_size": 32}),
         Recipe("int8w", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "false"}),
+        Recipe("int8w-sym", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "true"}),
+        Recipe("int8w-b128", "int8w", "builder", {"precision": "int8", "block_size": 128, "is_symmetric": "false"}),
+        Recipe("int8w-b128-sym", "int8w", "builder", {"precision": "int8", "block_size": 128, "is_symmetric": "true"}),
         Recipe("dyn8-tensor", "int8", "dyn8", {"per_channel": False}),
         Recipe("dyn8-channel", "int8", "dyn8", {"per_channel": True}),
         Recipe("dyn8-tensor-nodown-nohead", "int8", "dyn8", {"per_channel": False, "keep": ["down", "head"]}),
@@ -255,11 +258,11 @@ class LlamaCppRunner:
     def decode(self, prompt: np.ndarray, new: int) -> float:
         self.llm.reset()
         self.llm.eval(prompt[0].tolist())
-        tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        tok = int(np.argmax(gguf_variants.last_logits(self.llm)))
         t0 = time.perf_counter()
         for _ in range(new - 1):
             self.llm.eval([tok])
-            tok = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            tok = int(np.argmax(gguf_variants.last_logits(self.llm)))
         return (new - 1) / (time.perf_counter() - t0)
 
 

@@ -60,7 +60,18 @@ class LlamaCppEngine:
         return self._last()
 
     def _last(self) -> np.ndarray:
-        return np.array(self.llm.scores[self.llm.n_tokens - 1], dtype=np.float32)[None]  # (1, vocab)
+        return last_logits(self.llm)[None]  # (1, vocab)
+
+
+def last_logits(llm) -> np.ndarray:
+    """The logits of the last token `llm` (a llama_cpp.Llama) evaluated, (vocab,) float32. Read from llama.cpp's
+    context: llama-cpp-python (0.3.x) copies logits into `Llama.scores` only when made with logits_all, and
+    without it that array holds whatever the allocation held."""
+    import llama_cpp
+
+    if getattr(llm, "_logits_all", False):  # what Llama(logits_all=...) was given
+        return np.array(llm.scores[llm.n_tokens - 1], dtype=np.float32)
+    return np.ctypeslib.as_array(llama_cpp.llama_get_logits(llm.ctx), shape=(llm.n_vocab(),)).astype(np.float32)
 
 
 def files(export_dir: Path, manifest) -> dict[str, Path]:
