@@ -187,3 +187,18 @@ def test_the_gguf_variants_are_found_from_export_onnxs_manifest_as_written(hf_fo
     manifest.write(tmp_path)
     found = gguf_variants.files(tmp_path, Manifest.read(tmp_path))
     assert found == {"gguf_q8_0": tmp_path / "gguf" / "model-q8_0.gguf"}
+
+
+def test_llama_cpps_decode_steps_pick_from_its_real_last_logits(hf_folder, confident, tmp_path):
+    """Without logits_all llama-cpp-python leaves Llama.scores unset: the engine the benchmark times reads the
+    last token's logits from llama.cpp's context instead, the same as the logits_all engine's last row."""
+    _, _, ids, _ = confident
+    if gguf_variants.unavailable_reason() is not None:  # the suite never needs the optional extra
+        assert gguf_variants.unavailable_reason().startswith("llama-cpp-python is not installed")
+        return
+    path = gguf_export.write(hf_folder, tmp_path / "model-f16.gguf", "f16")
+    fast = gguf_variants.LlamaCppEngine(path, 2, 64)
+    full = gguf_variants.LlamaCppEngine(path, 2, 64, logits_all=True)
+    for engine in (fast, full):
+        engine.start(ids[:1, :8])
+    np.testing.assert_allclose(fast.step(np.array([5])), full.step(np.array([5])), atol=1e-3)
