@@ -90,6 +90,8 @@ def recipes() -> list[Recipe]:
         Recipe("rtn2-b32", "int4", "rtn2", {"block_size": 32}),
         Recipe("int8w", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "false"}),
         Recipe("int8w-sym", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "true"}),
+        Recipe("int8w-acc1", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "false",
+                                                  "accuracy_level": 1}),
         Recipe("int8w-b128", "int8w", "builder", {"precision": "int8", "block_size": 128, "is_symmetric": "false"}),
         Recipe("int8w-b128-sym", "int8w", "builder", {"precision": "int8", "block_size": 128, "is_symmetric": "true"}),
         Recipe("dyn8-tensor", "int8", "dyn8", {"per_channel": False}),
