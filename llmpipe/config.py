@@ -718,9 +718,10 @@ class WeightOnlySection(Section):
                                           "(the last MatMul, whose errors go straight into the logits); null: bits.")
     zero_points: Literal["integer", "float"] = Res("integer", added=True, description="hqq's zero points: "
                                                    "integer (its float ones folded into integers plus appended "
-                                                   "block-sum rows: onnxruntime's fast kernel, llmpipe.infer.fold) "
-                                                   "or float (as HQQ found them: onnxruntime dequantises them on "
-                                                   "every call, an eighth of fp32's speed). rtn's are integer.")
+                                                   "block-sum rows at 4 bits: onnxruntime's fast kernel, "
+                                                   "llmpipe.infer.fold; other widths keep float ones) or float (as "
+                                                   "HQQ found them: onnxruntime dequantises them on every call, an "
+                                                   "eighth of fp32's speed). rtn's are integer.")
 
     @field_validator("bits")
     @classmethod
@@ -735,6 +736,14 @@ class WeightOnlySection(Section):
         if v is not None and (v < 16 or v & (v - 1)):
             raise ValueError(f"{v} is not a block size MatMulNBits takes (a power of two, 16 or more)")
         return v
+
+    @model_validator(mode="after")
+    def _zero_points(self) -> WeightOnlySection:
+        """Float zero points are what HQQ finds; round to nearest has integer ones only."""
+        if self.zero_points == "float" and self.algorithm != "hqq":
+            raise ValueError(f"zero_points=float: algorithm {self.algorithm} has integer zero points only "
+                             "(float ones come from algorithm hqq)")
+        return self
 
 
 def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort_block_size: int | None,
@@ -757,8 +766,8 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
         "head_bits": Res(head_bits, added=True, description=f"Bits of {name}'s output head (the last MatMul, whose "
                          "errors go straight into the logits); null: bits."),
         "zero_points": Res(zero_points, added=True, description=f"{name}'s hqq zero points: integer (folded into "
-                           "integers plus appended block-sum rows: onnxruntime's fast kernel) or float (its slow "
-                           "path). rtn's are integer."),
+                           "integers plus appended block-sum rows at 4 bits: onnxruntime's fast kernel) or float (its "
+                           "slow path). rtn's are integer."),
         "__module__": __name__,
     })
 

@@ -131,14 +131,13 @@ def _ranks(model) -> dict[str, int]:
     (the dims are what it needs; a 7B graph's bytes would pass protobuf's 2 GB limit)."""
     import onnx
 
-    light = onnx.ModelProto()
-    light.CopyFrom(model)
-    for t in light.graph.initializer:
-        t.ClearField("raw_data")
-        for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
-            t.ClearField(f)
-        t.ClearField("external_data")
-        t.data_location = onnx.TensorProto.DEFAULT
+    light = onnx.ModelProto(ir_version=model.ir_version, opset_import=model.opset_import)
+    graph = light.graph
+    for field in ("node", "input", "output", "value_info"):
+        getattr(graph, field).extend(getattr(model.graph, field))
+    # each weight as its name, type and dims only: never a second copy of the bytes
+    graph.initializer.extend(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
+                             for t in model.graph.initializer)
     try:
         light = onnx.shape_inference.infer_shapes(light)
     except Exception:  # noqa: BLE001 - an unknown contrib op's graph: fall back to what the model declares

@@ -202,3 +202,26 @@ def test_llama_cpps_decode_steps_pick_from_its_real_last_logits(hf_folder, confi
     for engine in (fast, full):
         engine.start(ids[:1, :8])
     np.testing.assert_allclose(fast.step(np.array([5])), full.step(np.array([5])), atol=1e-3)
+
+
+def test_zero_points_defines_the_benchmark_and_float_ones_need_hqq(tmp_path):
+    """An added result field: at its default the fingerprints are those of a config that never named it; float
+    zero points move the benchmark's (another graph) and nothing upstream; rtn with float ones is refused when
+    the config loads, in one line naming the field."""
+    from llmpipe.config import from_dict
+    from llmpipe.errors import ConfigError
+    from llmpipe.stages import fingerprints
+
+    base = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+            "benchmark": {"variants": ["fp32", "int4"]}}
+
+    def with_int4(section):
+        return fingerprints(from_dict({**base, "benchmark": {**base["benchmark"], "quantize": {"int4": section}}}))
+
+    before = fingerprints(from_dict(base))
+    assert with_int4({"zero_points": "integer"}) == before
+    changed = with_int4({"zero_points": "float"})
+    assert changed["benchmark"] != before["benchmark"] and changed["export_onnx"] == before["export_onnx"]
+    with pytest.raises(ConfigError, match="zero_points"):
+        from_dict({**base, "benchmark": {**base["benchmark"],
+                                         "quantize": {"int4": {"algorithm": "rtn", "zero_points": "float"}}}})
