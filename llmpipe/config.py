@@ -722,6 +722,13 @@ class WeightOnlySection(Section):
                                                    "llmpipe.infer.fold; other widths keep float ones) or float (as "
                                                    "HQQ found them: onnxruntime dequantises them on every call, an "
                                                    "eighth of fp32's speed). rtn's are integer.")
+    adapter: Literal["merged", "separate"] = Res("merged", added=True, description="LoRA runs (train.lora), the "
+                                                 "ORT-optimised graph: merged (the merged weights quantised) or "
+                                                 "separate (the base quantised, the adapter's product appended as "
+                                                 "rows of each folded 4-bit node: llmpipe.infer.lora_rows; needs 4 "
+                                                 "bits, hqq, integer zero points). Separate keeps a fine-tune whose "
+                                                 "delta is below a 4-bit step (a base that came from a 4-bit file), "
+                                                 "which merged 4-bit undoes. The portable graphs stay merged.")
 
     @field_validator("bits")
     @classmethod
@@ -743,6 +750,10 @@ class WeightOnlySection(Section):
         if self.zero_points == "float" and self.algorithm != "hqq":
             raise ValueError(f"zero_points=float: algorithm {self.algorithm} has integer zero points only "
                              "(float ones come from algorithm hqq)")
+        if self.adapter == "separate" and (self.bits, self.algorithm, self.zero_points) != (4, "hqq", "integer"):
+            raise ValueError(f"adapter=separate: needs bits 4, algorithm hqq and zero_points integer (the rows are "
+                             f"appended to the folded 4-bit nodes), got {self.bits} bits, {self.algorithm}, "
+                             f"{self.zero_points} zero points")
         return self
 
 
@@ -752,7 +763,8 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
     return type(f"{name.capitalize()}Quant", (WeightOnlySection,), {
         "__annotations__": {"bits": "int", "block_size": "int", "accuracy_level": "int",
                             "ort_block_size": "int | None", "algorithm": 'Literal["rtn", "hqq"]',
-                            "head_bits": "Literal[4, 8] | None", "zero_points": 'Literal["integer", "float"]'},
+                            "head_bits": "Literal[4, 8] | None", "zero_points": 'Literal["integer", "float"]',
+                            "adapter": 'Literal["merged", "separate"]'},
         "bits": Res(bits, description=f"Bits per weight of {name}: 2, 4 or 8 (the widths MatMulNBits packs)."),
         "block_size": Res(block_size, description=f"Input rows per scale of {name}: a power of two, 16 or more."),
         "accuracy_level": Res(accuracy_level, ge=0, le=4, description=f"MatMulNBits compute type of {name}'s "
@@ -768,6 +780,10 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
         "zero_points": Res(zero_points, added=True, description=f"{name}'s hqq zero points: integer (folded into "
                            "integers plus appended block-sum rows at 4 bits: onnxruntime's fast kernel) or float (its "
                            "slow path). rtn's are integer."),
+        "adapter": Res("merged", added=True, description=f"LoRA runs, {name}'s ORT-optimised graph: merged (the "
+                       "merged weights quantised) or separate (the base quantised, the adapter's product appended "
+                       "as rows of each folded 4-bit node; needs 4 bits, hqq, integer zero points): what keeps a "
+                       "fine-tune whose delta is below a 4-bit step. The portable graphs stay merged."),
         "__module__": __name__,
     })
 
@@ -998,6 +1014,15 @@ class RunConfig(Section):
             if name not in self.benchmark.variants and getattr(gates, name) != spec.default_factory():
                 raise ValueError(f"evaluate.gates.{name}: {name} is not a deployed variant (benchmark.variants: "
                                  f"{', '.join(self.benchmark.variants)})")
+        return self
+
+    @model_validator(mode="after")
+    def _separate_adapter(self) -> RunConfig:
+        """A separate adapter is a LoRA run's: without train.lora there is none to keep apart."""
+        for name in ("int4", "int8w"):
+            if getattr(self.benchmark.quantize, name).adapter == "separate" and self.train.lora is None:
+                raise ValueError(f"benchmark.quantize.{name}.adapter: separate needs a LoRA run (train.lora), "
+                                 "which this config does not train")
         return self
 
     @model_validator(mode="after")

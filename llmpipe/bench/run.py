@@ -442,6 +442,11 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     cfg = ctx.cfg.benchmark
     folder, manifest = ctx.inputs["consolidate"]
     hf = manifest.path(folder, "hf/config.json").parent
+    # a LoRA run's adapter (PEFT), for a variant whose adapter is kept separate (benchmark.quantize.<v>.adapter)
+    adapter = None
+    if {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= set(manifest.outputs):
+        manifest.path(folder, "adapter/adapter_config.json")  # both resolve inside consolidate's folder
+        adapter = manifest.path(folder, "adapter/adapter_model.safetensors").parent
     for name in fused.ORT_VARIANTS:
         section = getattr(cfg.quantize, name)
         options = fused.weight_only_options(section) if name in cfg.variants else None
@@ -449,7 +454,8 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
             continue
         t0 = time.perf_counter()
         try:
-            out[name] = fused.build_weight_only(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, section).parent
+            out[name] = fused.build_weight_only(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, section,
+                                                adapter_dir=adapter).parent
         except StageError as err:
             raise StageError(f"benchmark: the {name} variant's {err}") from None
         log.info("variant %s: ORT-optimised graph (%s, %s, %s) in %.1fs", name, section.algorithm, options[0],

@@ -54,12 +54,16 @@ def weight_only_options(section) -> tuple[str, dict[str, str]] | None:
     return precision, extra
 
 
-def build_weight_only(hf_dir: Path, out_dir: Path, section, timeout_s: float = 3600) -> Path:
+def build_weight_only(hf_dir: Path, out_dir: Path, section, timeout_s: float = 3600,
+                      adapter_dir: Path | None = None) -> Path:
     """The CPU graph of a benchmark.quantize.<variant> section (WeightOnlySection) in `out_dir`: round to
     nearest (algorithm rtn) is the builder's own quantization (weight_only_options); hqq is the builder's
     fp32 graph quantized by onnxruntime's MatMulNBitsQuantizer with its HQQ algorithm (the builder has no
-    such option), the head at head_bits, the same MatMulNBits ops. Returns out_dir/model.onnx; StageError
-    when the section has no ORT graph (2 bits) or the builder fails."""
+    such option), the head at head_bits, the same MatMulNBits ops. `adapter_dir` (a LoRA run's PEFT adapter,
+    section.adapter separate): the graph of the base (hf/ with the adapter's product taken off) quantized, the
+    adapter appended as rows of its folded nodes (llmpipe.infer.lora_rows). Returns out_dir/model.onnx;
+    StageError when the section has no ORT graph (2 bits) or the builder fails."""
+    from llmpipe.infer import lora_rows
     from llmpipe.infer.ort import quantize_weight_only
 
     options = weight_only_options(section)
@@ -68,14 +72,28 @@ def build_weight_only(hf_dir: Path, out_dir: Path, section, timeout_s: float = 3
     if section.algorithm == "rtn":
         return build(hf_dir, out_dir, *options, timeout_s=timeout_s)
     out_dir = Path(out_dir)
-    fp32 = build(hf_dir, out_dir.with_name(out_dir.name + ".fp32"), "fp32", timeout_s=timeout_s).parent
+    adapter = None
+    if adapter_dir is not None and getattr(section, "adapter", "merged") == "separate":
+        try:
+            adapter = lora_rows.Adapter.read(adapter_dir)
+            hf_dir = lora_rows.write_base(hf_dir, adapter, out_dir.with_name(out_dir.name + ".base"))
+        except lora_rows.AdapterError as err:
+            raise StageError(f"ORT-optimised graph: the separate adapter: {err}") from None
+    try:
+        fp32 = build(hf_dir, out_dir.with_name(out_dir.name + ".fp32"), "fp32", timeout_s=timeout_s).parent
+    finally:
+        if adapter is not None:
+            shutil.rmtree(hf_dir, ignore_errors=True)
     tmp = out_dir.with_name(out_dir.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.copytree(fp32, tmp, ignore=shutil.ignore_patterns("model.onnx", "model.onnx.data"))
     try:
         quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", section.bits,
                              section.ort_block_size or section.block_size, section.accuracy_level,
-                             section.symmetric, section.algorithm, section.head_bits, section.zero_points)
+                             section.symmetric, section.algorithm, section.head_bits, section.zero_points, adapter)
+    except lora_rows.AdapterError as err:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise StageError(f"ORT-optimised graph: the separate adapter: {err}") from None
     except Exception as err:  # the quantizer's failure names the graph; nothing half-written is left
         shutil.rmtree(tmp, ignore_errors=True)
         first = str(err).strip().splitlines()[0] if str(err).strip() else ""

