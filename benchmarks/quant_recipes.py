@@ -19,6 +19,9 @@ the benchmark stage deploys on the CPU:
   int8 (quantize_dynamic, 7-bit weights as the pipeline's int8: llmpipe.infer.ort.quantize_int8) of the fp32
   graph's weight MatMuls, per tensor or per channel, the feed-forward's down projections and the head left in
   fp32 or not;
+- `hqq-b32-head8-acc4-fold-lora` (with --adapter, a LoRA fine-tune's PEFT folder): the default int4 of the
+  base the fine-tune came from (HF_FOLDER minus the adapter's product), the adapter kept apart as rows of its
+  folded nodes (llmpipe.infer.lora_rows; benchmark.quantize.int4.adapter: separate);
 - `llama.cpp <type>`: llmpipe.export.gguf's file of the same folder (f16, q8_0, q4_0) in llama-cpp-python,
   when it is installed.
 
@@ -87,6 +90,9 @@ def recipes() -> list[Recipe]:
         Recipe("hqq-b32-head8-fold", "int4", "hqq", {"block_size": 32, "head8": True, "fold": True}),
         Recipe("hqq-b32-acc4-fold", "int4", "hqq", {"block_size": 32, "acc4": True, "fold": True}),
         Recipe("hqq-b128-head8-acc4", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True}),
+        # --adapter: the base (merged minus the adapter's product) at the default int4, the adapter appended as
+        # rows of its folded nodes (benchmark.quantize.int4.adapter: separate)
+        Recipe("hqq-b32-head8-acc4-fold-lora", "int4", "lora", {}),
         Recipe("rtn2-b32", "int4", "rtn2", {"block_size": 32}),
         Recipe("int8w", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "false"}),
         Recipe("int8w-sym", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "true"}),
@@ -107,6 +113,8 @@ def recipes() -> list[Recipe]:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf", type=Path, help="Hugging Face folder of a Llama-architecture model")
+    p.add_argument("--adapter", type=Path, help="the fine-tune's LoRA adapter (PEFT folder: consolidate's adapter/) "
+                   "for the -lora recipe; without it that recipe is skipped")
     p.add_argument("--work", type=Path, default=Path("scratch/recipes"), help="where the graphs are kept (reused)")
     p.add_argument("--recipes", default="all", help="comma-separated recipe names, or all")
     p.add_argument("--speed", default="auto", help="recipes timed: auto (fp32, the passing ones, the peers), all, "
@@ -166,11 +174,16 @@ def _weight_matmuls(model) -> dict[str, str]:
     return out
 
 
-def build(r: Recipe, hf: Path, work: Path, fp32: Path | None) -> Path:
+def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | None = None) -> Path:
     """The recipe's graph folder (model.onnx + genai_config.json), made once."""
     out = work / r.name.replace(" ", "_")
     if (out / "model.onnx").is_file() or (out / "model.gguf").is_file():
         return out
+    if r.kind == "lora":
+        from llmpipe.config import QuantizeSection
+
+        return fused.build_weight_only(hf, out, QuantizeSection(int4={"adapter": "separate"}).int4,
+                                       adapter_dir=adapter).parent
     if r.kind == "builder":
         opts = {k: str(v) for k, v in r.options.items() if k != "precision"}
         fused.build(hf, out, r.options["precision"], opts or None)
@@ -314,15 +327,18 @@ def main(argv=None) -> None:
     chosen = recipes() if a.recipes == "all" else [r for r in recipes() if r.name in a.recipes.split(",") or
                                                    r.name == "fp32"]
     skipped = {}
+    if a.adapter is None:
+        skipped.update({r.name: "no --adapter" for r in chosen if r.kind == "lora"})
+        chosen = [r for r in chosen if r.kind != "lora"]
     if llama_cpp_reason():
-        skipped = {r.name: llama_cpp_reason() for r in chosen if r.kind == "gguf"}
+        skipped.update({r.name: llama_cpp_reason() for r in chosen if r.kind == "gguf"})
         chosen = [r for r in chosen if r.kind != "gguf"]
     ids = text_windows(a.hf / "tokenizer.json", a.samples, a.seq, 1234, calibration=False)
     folders = {}
     fp32 = None
     for r in chosen:
         t0 = time.perf_counter()
-        folders[r.name] = build(r, a.hf, a.work, fp32)
+        folders[r.name] = build(r, a.hf, a.work, fp32, a.adapter)
         fp32 = fp32 or folders["fp32"]
         print(f"{r.name}: built in {time.perf_counter() - t0:.0f}s", flush=True)
     rows: dict[str, dict] = {}

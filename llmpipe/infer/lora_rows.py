@@ -8,7 +8,8 @@ adapter stays a fine-tune's own:
     x . (W + s B A)[:, n] = x . W[:, n] + (x A^T) . (s B^T)[:, n]
 The fold (llmpipe.infer.fold) already runs each 4-bit node over concat(x, S), S the input's block sums. Here
 that input becomes concat(x, x A^T, S): one fp32 MatMul per distinct input (A^T of every module that reads it
-side by side: q, k and v; gate and up), its columns padded to whole blocks, and the node's weight gets the
+side by side: q, k and v; gate and up; llmpipe.infer.ort.quantize_weight_only puts it at 8 bits), its
+columns padded to whole blocks, and the node's weight gets the
 matching rows s B^T (zero where another module's columns are) between the base's blocks and the fold's, in
 4 bits with integer zero points, blocks of the node's block size. The rows' own rounding is a fraction of
 the delta (a step of each column's range / 15), which is itself below a step of the base: the measurement is
@@ -33,6 +34,7 @@ from llmpipe.errors import UserError
 from llmpipe.infer.fold import ZP_BITS, _pack4, _unpack4
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+A_SUFFIX = "_lora_matmul"  # the x A^T MatMuls attach() adds (quantize_weight_only puts them at 8 bits)
 # graph node (the builder's names) -> the Hugging Face modules it computes, in output order
 _PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
 _NODE = re.compile(r"layers\.(\d+)/(?:attn|self_attn|mlp)/(\w+?_proj)/")
@@ -112,68 +114,37 @@ def attach(model, adapter: Adapter) -> int:
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
     # the folded nodes, grouped by their concat(x, S)
-    groups: dict[str, list] = {}
+    readers: dict[str, list] = {}  # concat -> every folded node reading it
     for node in graph.node:
         if node.op_type != "MatMulNBits":
             continue
-        m = _NODE.search(node.name)
         concat = producers.get(node.input[0])
-        if m is None or concat is None or concat.op_type != "Concat" or not concat.name.endswith("_concat"):
+        if concat is None or concat.op_type != "Concat" or not concat.name.endswith("_concat"):
             continue
-        modules = _PACKED.get(m.group(2), (m.group(2),))
-        if any((int(m.group(1)), mod) in adapter.tensors for mod in modules):
-            groups.setdefault(concat.name, []).append((node, int(m.group(1)), modules))
+        m = _NODE.search(node.name)
+        if m is None:  # a folded node of no projection (the input is shared: it gets zero rows)
+            readers.setdefault(concat.name, []).append((node, -1, ()))
+            continue
+        readers.setdefault(concat.name, []).append((node, int(m.group(1)), _PACKED.get(m.group(2), (m.group(2),))))
+    # the inputs an adapted module reads, with all their readers (a module the adapter leaves alone: zero rows)
+    groups = {c: nodes for c, nodes in readers.items()
+              if any((layer, mod) in adapter.tensors for _, layer, mods in nodes for mod in mods)}
     attached = {(layer, mod) for nodes in groups.values() for _, layer, mods in nodes for mod in mods}
     missing = sorted(set(adapter.tensors) - attached)
     if missing:
         raise AdapterError(f"the adapter's layer {missing[0][0]} {missing[0][1]} has no folded 4-bit node in the graph "
                            "(a separate adapter needs benchmark.quantize.int4 at algorithm hqq, zero_points integer)")
     concats = {n.name: n for n in graph.node if n.op_type == "Concat"}
+    plan = [(cname, *_rows(nodes, adapter)) for cname, nodes in groups.items()]  # every check before any change
     new_nodes: dict[str, list] = {}  # concat name -> the nodes computing x A^T, placed before it
-    changed = 0
-    for cname, nodes in groups.items():
+    for cname, a_all, rows in plan:
         concat = concats[cname]
         x = concat.input[0]
-        k = None
-        columns: list[np.ndarray] = []  # A^T of each module, side by side
-        offsets: dict[tuple[int, str], int] = {}
-        for node, layer, modules in nodes:
-            for mod in modules:
-                if (layer, mod) in adapter.tensors and (layer, mod) not in offsets:
-                    a, _ = adapter.tensors[(layer, mod)]
-                    offsets[(layer, mod)] = sum(c.shape[1] for c in columns)
-                    columns.append(a.T)
-                    k = a.shape[1] if k is None else k
-        attrs = [{a.name: helper.get_attribute_value(a) for a in node.attribute} for node, _, _ in nodes]
-        block = attrs[0]["block_size"]
-        if any(at["block_size"] != block or at.get("bits", 4) != ZP_BITS for at in attrs):
-            raise AdapterError(f"{cname}: its nodes differ in block size or width")
-        rank_total = sum(c.shape[1] for c in columns)
-        pad = -(-rank_total // block) * block
-        a_all = np.zeros((k, pad), np.float32)
-        a_all[:, :rank_total] = np.concatenate(columns, axis=1)
-        for (node, layer, modules), at in zip(nodes, attrs):
-            n_out, k_folded = at["N"], at["K"]
-            if k_folded * block % (block + 1) or k_folded * block // (block + 1) != k:
-                raise AdapterError(f"{node.name}: K={k_folded} is not a folded node of {k} inputs")
-            rows = np.zeros((pad, n_out), np.float32)
-            out = 0
-            for mod in modules:
-                if (layer, mod) not in adapter.tensors:
-                    raise AdapterError(f"{node.name}: the adapter has {modules} only in part (layer {layer} {mod})")
-                a, b = adapter.tensors[(layer, mod)]
-                if a.shape[1] != k:
-                    raise AdapterError(f"layer {layer} {mod}: lora_A has {a.shape[1]} inputs, the graph {k}")
-                c = offsets[(layer, mod)]
-                rows[c:c + b.shape[1], out:out + b.shape[0]] = adapter.scale * b.T
-                out += b.shape[0]
-            if out != n_out:
-                raise AdapterError(f"layer {layer} {'+'.join(modules)}: lora_B has {out} outputs, the graph {n_out}")
-            _insert_rows(inits, node, rows, k // block, block)
-            for a_ in node.attribute:
-                if a_.name == "K":
-                    a_.i = k_folded + pad
-            changed += 1
+        for node, node_rows, nb, block in rows:
+            _insert_rows(inits, node, node_rows, nb, block)
+            for attr in node.attribute:
+                if attr.name == "K":
+                    attr.i += node_rows.shape[0]
         name = f"{x}_lora".replace("/", "_").replace(":", "_")
         graph.initializer.append(numpy_helper.from_array(a_all, name + "_A"))
         new_nodes[cname] = [helper.make_node("MatMul", [x, name + "_A"], [name + "_xa"], name=name + "_matmul")]
@@ -186,7 +157,73 @@ def attach(model, adapter: Adapter) -> int:
         ordered.append(node)
     del graph.node[:]
     graph.node.extend(ordered)
-    return changed
+    return sum(len(rows) for _, _, rows in plan)
+
+
+def _rows(nodes: list, adapter: Adapter) -> tuple[np.ndarray, list]:
+    """For the folded nodes reading one input: A^T of their modules side by side ([K, R] padded to whole
+    blocks) and per node (node, its rows s B^T [R, N], its base blocks, block size). AdapterError on a
+    mismatch."""
+    from onnx import helper
+
+    attrs = [{a.name: helper.get_attribute_value(a) for a in node.attribute} for node, _, _ in nodes]
+    block = attrs[0]["block_size"]
+    if any(at["block_size"] != block or at.get("bits", 4) != ZP_BITS for at in attrs):
+        raise AdapterError(f"{nodes[0][0].name}: the nodes reading its input differ in block size or width")
+    k_folded = attrs[0]["K"]
+    if k_folded * block % (block + 1) or any(at["K"] != k_folded for at in attrs):
+        raise AdapterError(f"{nodes[0][0].name}: K={k_folded} is not a folded node's")
+    k = k_folded * block // (block + 1)  # the input's width: the fold appended k / block sums
+    columns: list[np.ndarray] = []  # A^T of each module, side by side
+    offsets: dict[tuple[int, str], int] = {}
+    for node, layer, modules in nodes:
+        for mod in modules:
+            if (layer, mod) not in adapter.tensors:  # a module the adapter leaves alone: zero rows
+                continue
+            a, _ = adapter.tensors[(layer, mod)]
+            if a.shape[1] != k:
+                raise AdapterError(f"layer {layer} {mod}: lora_A has {a.shape[1]} inputs, the graph {k}")
+            if (layer, mod) not in offsets:
+                offsets[(layer, mod)] = sum(c.shape[1] for c in columns)
+                columns.append(a.T)
+    rank_total = sum(c.shape[1] for c in columns)
+    pad = -(-rank_total // block) * block
+    a_all = np.zeros((k, pad), np.float32)
+    a_all[:, :rank_total] = np.concatenate(columns, axis=1)
+    planned = []
+    for (node, layer, modules), at in zip(nodes, attrs):
+        rows = np.zeros((pad, at["N"]), np.float32)
+        widths = _widths(modules, {m: adapter.tensors[(layer, m)][1].shape[0] for m in modules
+                                   if (layer, m) in adapter.tensors}, at["N"])
+        if widths is None:
+            raise AdapterError(f"layer {layer} {'+'.join(modules)}: lora_B's outputs do not add up to the graph's "
+                               f"{at['N']}")
+        out = 0
+        for mod, width in zip(modules or ("",), widths):
+            if (layer, mod) in adapter.tensors:
+                _, b = adapter.tensors[(layer, mod)]
+                c = offsets[(layer, mod)]
+                rows[c:c + b.shape[1], out:out + width] = adapter.scale * b.T
+            out += width
+        planned.append((node, rows, k // block, block))
+    return a_all, planned
+
+
+def _widths(modules: tuple[str, ...], known: dict[str, int], n: int) -> list[int] | None:
+    """Each module's outputs in a node of `n` outputs (packed q/k/v: k and v as wide as each other; gate/up:
+    halves), from those the adapter's lora_B say; None when they cannot add up to n."""
+    if not modules:
+        return [n]
+    if modules == ("q_proj", "k_proj", "v_proj"):
+        kv = known.get("k_proj") or known.get("v_proj")
+        if kv is None:
+            kv = (n - known["q_proj"]) // 2
+        widths = [known.get("q_proj", n - 2 * kv), known.get("k_proj", kv), known.get("v_proj", kv)]
+    elif modules == ("gate_proj", "up_proj"):
+        widths = [known.get("gate_proj", n // 2), known.get("up_proj", n // 2)]
+    else:
+        widths = [known.get(modules[0], n)]
+    return widths if sum(widths) == n and min(widths) > 0 else None
 
 
 def quantize_rows(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -1,0 +1,209 @@
+"""llmpipe.infer.lora_rows: a LoRA adapter kept apart from its 4-bit base, appended as rows of the folded
+MatMulNBits nodes. Checked against the adapter's exact product on a graph named as the builder names its
+projections (packed q/k/v, gate and up reading one input, down), PEFT's files read as untrusted input, and
+the base taken back out of merged weights."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+from safetensors.numpy import save_file
+
+from llmpipe.infer import fold, lora_rows
+from llmpipe.infer.ort import _nbits
+
+H, F, R, SCALE = 256, 128, 8, 2.0  # hidden, feed-forward, rank, alpha / r
+OUTS = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "gate_proj": F, "up_proj": F, "down_proj": H}
+INS = {"q_proj": H, "k_proj": H, "v_proj": H, "gate_proj": H, "up_proj": H, "down_proj": F}
+
+
+def _graph(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
+    """One layer's weight MatMuls as the builder names them: qkv packed over `x`, gate and up over `m`, down
+    over `h`; the weights fp32."""
+    rng = np.random.default_rng(seed)
+    w = {mod: (rng.standard_normal((INS[mod], n)) * 0.05).astype(np.float32) for mod, n in OUTS.items()}
+    qkv = np.concatenate([w["q_proj"], w["k_proj"], w["v_proj"]], axis=1)
+    spec = [("x", H, "/model/layers.0/attn/qkv_proj/MatMul", qkv, "qkv"),
+            ("m", H, "/model/layers.0/mlp/gate_proj/MatMul", w["gate_proj"], "gate"),
+            ("m", H, "/model/layers.0/mlp/up_proj/MatMul", w["up_proj"], "up"),
+            ("h", F, "/model/layers.0/mlp/down_proj/MatMul", w["down_proj"], "down")]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", k]) for n, k in (("x", H), ("m", H), ("h", F))]
+    nodes, outputs, inits = [], [], []
+    for x, _, name, weight, out in spec:
+        inits.append(numpy_helper.from_array(weight, out + "_W"))
+        nodes.append(helper.make_node("MatMul", [x, out + "_W"], [out], name=name))
+        outputs.append(helper.make_tensor_value_info(out, TensorProto.FLOAT, ["b", "s", weight.shape[1]]))
+    graph = helper.make_graph(nodes, "layer", inputs, outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w
+
+
+def _adapter(folder: Path, step: float, seed: int = 1, modules=tuple(OUTS), **config) -> dict:
+    """A PEFT folder of `modules` whose product s B A has entries of about `step` (std); returns module -> (A, B)."""
+    rng = np.random.default_rng(seed)
+    tensors, out = {}, {}
+    for mod in modules:
+        a = (rng.standard_normal((R, INS[mod])) / np.sqrt(INS[mod])).astype(np.float32)
+        # s B A's entries: s sigma_B sqrt(R) / sqrt(in) = step
+        b = (rng.standard_normal((OUTS[mod], R)) * step * np.sqrt(INS[mod]) / (SCALE * np.sqrt(R))).astype(np.float32)
+        parent = "self_attn" if mod[0] in "qkv" else "mlp"
+        tensors[f"base_model.model.model.layers.0.{parent}.{mod}.lora_A.weight"] = a
+        tensors[f"base_model.model.model.layers.0.{parent}.{mod}.lora_B.weight"] = b
+        out[mod] = (a, b)
+    folder.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(folder / lora_rows.WEIGHTS))
+    cfg = {"peft_type": "LORA", "r": R, "lora_alpha": SCALE * R, "target_modules": list(modules), **config}
+    (folder / lora_rows.CONFIG).write_text(json.dumps(cfg))
+    return out
+
+
+def _run(model: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+
+def _folded(model: onnx.ModelProto) -> onnx.ModelProto:
+    out = _nbits(copy.deepcopy(model), 4, 32, 4, False, "hqq")
+    assert fold.fold_model(out) == 4
+    return out
+
+
+@pytest.mark.parametrize("modules", [tuple(OUTS), ("q_proj", "v_proj", "up_proj")])
+def test_the_appended_rows_compute_the_adapters_product(tmp_path, modules):
+    """The attached graph minus the folded base is x A^T (s B^T) for every module, to within a tenth of the
+    product itself (the rows' own 4-bit rounding), while the product is below a 4-bit step of the base; a
+    module the adapter leaves alone (PEFT's default targets q and v only) gets nothing; one MatMul per
+    distinct input the adapter reads is added and every zero point stays integer (the fast kernel)."""
+    model, w = _graph()
+    step = float(np.median([np.ptp(v[:32], axis=0).mean() for v in w.values()])) / 15  # a typical 4-bit step
+    ab = _adapter(tmp_path / "adapter", 0.3 * step, modules=modules)
+    base = _folded(model)
+    attached = copy.deepcopy(base)
+    changed = lora_rows.attach(attached, lora_rows.Adapter.read(tmp_path / "adapter"))
+    assert changed == (4 if len(modules) == 6 else 3)  # qkv, gate (zero rows: it reads up's input) and up
+    rng = np.random.default_rng(2)
+    feeds = {n: rng.standard_normal((2, 3, k)).astype(np.float32) for n, k in (("x", H), ("m", H), ("h", F))}
+    got = [a - b for a, b in zip(_run(attached, feeds), _run(base, feeds))]
+
+    def product(x, mods):
+        return np.concatenate([feeds[x] @ (SCALE * ab[m][1] @ ab[m][0]).T if m in ab else
+                               np.zeros((2, 3, OUTS[m]), np.float32) for m in mods], axis=-1)
+
+    want = [product("x", ["q_proj", "k_proj", "v_proj"]), product("m", ["gate_proj"]), product("m", ["up_proj"]),
+            product("h", ["down_proj"])]
+    for g, t, name in zip(got, want, ["qkv", "gate", "up", "down"]):
+        if not t.any():  # a module the adapter leaves alone: zero rows, its outputs as they were
+            assert name in ("gate", "down") and np.abs(g).max() < 1e-5, name
+            continue
+        err = np.linalg.norm(g - t) / np.linalg.norm(t)
+        assert err < 0.1, (name, err)
+    ops = [n.op_type for n in attached.graph.node]
+    assert ops.count("MatMul") == (3 if len(modules) == 6 else 2)  # x A^T for each input an adapted module reads
+    inits = {t.name: t for t in attached.graph.initializer}
+    assert all(inits[n.input[3]].data_type == TensorProto.UINT8 for n in attached.graph.node if n.op_type == "MatMulNBits")
+
+
+def test_the_base_comes_back_out_of_the_merged_weights(tmp_path):
+    """write_base: merged (W + s B A) minus the adapter's product is W (fp32 rounding), the other tensors and
+    files as they were, a symlink not followed."""
+    rng = np.random.default_rng(3)
+    ab = _adapter(tmp_path / "adapter", 0.01)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    base, merged = {}, {}
+    for mod, (a, b) in ab.items():
+        parent = "self_attn" if mod[0] in "qkv" else "mlp"
+        key = f"model.layers.0.{parent}.{mod}.weight"
+        base[key] = rng.standard_normal((OUTS[mod], INS[mod])).astype(np.float32)
+        merged[key] = base[key] + SCALE * b @ a
+    base["model.norm.weight"] = merged["model.norm.weight"] = np.ones(H, np.float32)
+    save_file(merged, str(hf / "model.safetensors"))
+    (hf / "config.json").write_text("{}")
+    (tmp_path / "secret").write_text("outside")
+    (hf / "link.json").symlink_to(tmp_path / "secret")
+    out = lora_rows.write_base(hf, lora_rows.Adapter.read(tmp_path / "adapter"), tmp_path / "base")
+    from safetensors.numpy import load_file
+
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(base)
+    for key in base:
+        np.testing.assert_allclose(got[key], base[key], atol=1e-6)
+    assert (out / "config.json").read_text() == "{}" and not (out / "link.json").exists()
+
+
+def _corrupt(folder: Path, how: str) -> str:
+    """Damages the adapter folder one way; returns what the one-line error must say."""
+    weights = folder / lora_rows.WEIGHTS
+    cfg = json.loads((folder / lora_rows.CONFIG).read_text())
+    if how in ("peft_type", "use_dora"):
+        cfg.update({"peft_type": "IA3"} if how == "peft_type" else {"use_dora": True})
+        (folder / lora_rows.CONFIG).write_text(json.dumps(cfg))
+        return how
+    from safetensors.numpy import load_file
+
+    t = load_file(str(weights))
+    key = "base_model.model.model.layers.0.mlp.up_proj.lora_B.weight"
+    if how == "missing":
+        del t[key]
+        want = "lora_B missing"
+    elif how == "rank":
+        t[key] = t[key][:, :R - 1].copy()
+        want = "rank"
+    elif how == "foreign":
+        t["base_model.model.lm_head.lora_A.weight"] = np.zeros((R, H), np.float32)
+        want = "not a LoRA weight"
+    elif how == "layer":
+        t["base_model.model.model.layers.5.mlp.up_proj.lora_A.weight"] = np.zeros((R, H), np.float32)
+        t["base_model.model.model.layers.5.mlp.up_proj.lora_B.weight"] = np.zeros((F, R), np.float32)
+        want = "no folded 4-bit node"
+    else:  # bytes that are not safetensors
+        weights.write_bytes(b"\x80\x04pickle")
+        return "not a readable safetensors"
+    save_file(t, str(weights))
+    return want
+
+
+@pytest.mark.parametrize("how", ["peft_type", "use_dora", "missing", "rank", "foreign", "layer", "bytes"])
+def test_a_bad_adapter_is_one_clear_line_and_the_graph_is_untouched(tmp_path, how):
+    model, _ = _graph()
+    _adapter(tmp_path / "adapter", 0.01)
+    want = _corrupt(tmp_path / "adapter", how)
+    base = _folded(model)
+    before = base.SerializeToString()
+    with pytest.raises(lora_rows.AdapterError, match=want) as err:
+        lora_rows.attach(base, lora_rows.Adapter.read(tmp_path / "adapter"))
+    assert "\n" not in str(err.value)
+    assert base.SerializeToString() == before
+
+
+def test_the_adapter_field_is_a_lora_runs_and_a_folded_int4s(tmp_path):
+    """benchmark.quantize.<v>.adapter: at its default the fingerprints are those of a config that never named
+    it; separate moves the benchmark's only; refused when the config loads without train.lora or with a
+    recipe that has no folded 4-bit nodes, in one line naming the field."""
+    from llmpipe.config import from_dict
+    from llmpipe.errors import ConfigError
+    from llmpipe.stages import fingerprints
+
+    base = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+            "train": {"lora": {"rank": 8}}, "benchmark": {"variants": ["fp32", "int4"]}}
+
+    def with_int4(section, cfg=base):
+        return from_dict({**cfg, "benchmark": {**cfg["benchmark"], "quantize": {"int4": section}}})
+
+    before = fingerprints(from_dict(base))
+    assert fingerprints(with_int4({"adapter": "merged"})) == before
+    changed = fingerprints(with_int4({"adapter": "separate"}))
+    assert changed["benchmark"] != before["benchmark"]
+    assert all(changed[s] == before[s] for s in before if s not in ("benchmark", "evaluate"))
+    with pytest.raises(ConfigError, match="adapter") as err:
+        with_int4({"adapter": "separate"}, {k: v for k, v in base.items() if k != "train"})
+    assert "train.lora" in str(err.value)
+    with pytest.raises(ConfigError, match="adapter=separate"):
+        with_int4({"adapter": "separate", "algorithm": "rtn"})
