@@ -187,6 +187,19 @@ def check_model(cfg: RunConfig) -> None:
             if q.bits in (4, 8) and q.accuracy_level == 0:
                 raise ConfigError(f"benchmark.quantize.{name}.accuracy_level=0: onnxruntime-genai's builder, which "
                                   f"makes {name}'s ORT-optimised graph (export.ort_graph), takes 1 to 4")
+    for name in ("int4", "int8w"):
+        q = getattr(cfg.benchmark.quantize, name)
+        if q.adapter != "separate" or name not in cfg.benchmark.variants:
+            continue
+        if not cfg.export.ort_graph:
+            raise ConfigError(f"benchmark.quantize.{name}.adapter: separate is the ORT-optimised graph's (set "
+                              "export.ort_graph: true); the portable graphs stay merged")
+        block = q.ort_block_size or q.block_size
+        widths = {"model dim": args.dim, "n_heads x head_dim": args.n_heads * args.head_dim, "ffn_dim": args.ffn_dim}
+        uneven = [f"{k}={v}" for k, v in widths.items() if v % block]
+        if uneven:  # the fold (and so the adapter's rows) needs each projection's input in whole blocks
+            raise ConfigError(f"benchmark.quantize.{name}.adapter: separate needs every projection's input in whole "
+                              f"blocks of {block}; the model has {', '.join(uneven)}")
     if cfg.model.init_from:  # config.json (its family's refusals, a sliding window in effect) was read above
         from llmpipe.models.llama import hf, hf_files
 

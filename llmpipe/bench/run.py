@@ -442,11 +442,7 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     cfg = ctx.cfg.benchmark
     folder, manifest = ctx.inputs["consolidate"]
     hf = manifest.path(folder, "hf/config.json").parent
-    # a LoRA run's adapter (PEFT), for a variant whose adapter is kept separate (benchmark.quantize.<v>.adapter)
-    adapter = None
-    if {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= set(manifest.outputs):
-        manifest.path(folder, "adapter/adapter_config.json")  # both resolve inside consolidate's folder
-        adapter = manifest.path(folder, "adapter/adapter_model.safetensors").parent
+    adapter = lora_adapter(folder, manifest)
     for name in fused.ORT_VARIANTS:
         section = getattr(cfg.quantize, name)
         options = fused.weight_only_options(section) if name in cfg.variants else None
@@ -461,6 +457,16 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
         log.info("variant %s: ORT-optimised graph (%s, %s, %s) in %.1fs", name, section.algorithm, options[0],
                  " ".join(f"{k}={v}" for k, v in options[1].items()), time.perf_counter() - t0)
     return out
+
+
+def lora_adapter(folder: Path, manifest) -> Path | None:
+    """A LoRA run's adapter folder (PEFT's files, consolidate's adapter/), for a variant that keeps it separate
+    (benchmark.quantize.<v>.adapter); None when consolidate wrote none. Both files must resolve inside
+    consolidate's folder (ManifestError otherwise)."""
+    if not {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= set(manifest.outputs):
+        return None
+    manifest.path(folder, "adapter/adapter_config.json")
+    return manifest.path(folder, "adapter/adapter_model.safetensors").parent
 
 
 def chat_sample(ctx: StageContext, tokenizer) -> tuple | None:

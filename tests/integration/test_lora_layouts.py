@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -109,3 +110,49 @@ def test_the_merged_model_gives_the_logits_peft_gives_from_the_base_and_the_adap
     assert (merged - before).abs().max() > 1e-3  # the adapters moved the model
     torch.testing.assert_close(merged, peft, rtol=0, atol=PEFT_ATOL)
     torch.testing.assert_close(checkpoint, merged, rtol=0, atol=PEFT_ATOL)
+
+
+def test_the_benchmark_keeps_the_adapter_apart_at_int4_from_consolidates_folders(runs, tmp_path):
+    """benchmark.quantize.int4.adapter: separate on a fine-tune consolidate wrote (q, v, o and down adapted:
+    the packed q/k/v node gets rows for q and v only): the stage finds the adapter in consolidate's manifest,
+    and its int4 graph is the base quantised plus the adapter, which moves it toward the merged model as far
+    as the adapter moved the base (KL to the merged fp32 graph at most half the base's int4; measured 5e-5 against
+    7e-3),
+    every zero point integer."""
+    import onnx
+
+    from llmpipe.bench import quality
+    from llmpipe.bench.run import lora_adapter
+    from llmpipe.config import QuantizeSection
+    from llmpipe.export import fused
+    from llmpipe.manifest import Manifest
+
+    if fused.unavailable_reason():
+        pytest.fail(fused.unavailable_reason())
+    folder = runs("ddp").run_dir() / "03_consolidate"
+    manifest = Manifest.load(folder)
+    adapter = lora_adapter(folder, manifest)
+    assert adapter == folder / "adapter"
+    hf = manifest.path(folder, "hf/config.json").parent
+    # blocks of 16: the tiny model's feed-forward (176) is whole blocks of 16, not of 32
+    separate = QuantizeSection.model_validate({"int4": {"adapter": "separate", "block_size": 16}}).int4
+    merged_int4 = QuantizeSection.model_validate({"int4": {"block_size": 16}}).int4
+    graphs = {"separate": fused.build_weight_only(hf, tmp_path / "separate", separate, adapter_dir=adapter),
+              "base": fused.build_weight_only(runs.hf_folder, tmp_path / "base", merged_int4),
+              "fp32": fused.build(hf, tmp_path / "fp32", "fp32")}
+    graph = onnx.load(str(graphs["separate"]), load_external_data=False).graph
+    inits = {t.name: t for t in graph.initializer}
+    assert all(inits[n.input[3]].data_type == onnx.TensorProto.UINT8 for n in graph.node if n.op_type == "MatMulNBits")
+    ids = np.random.default_rng(0).integers(1, 300, (4, 24))
+    logits = {k: _graph_logits(p.parent, ids) for k, p in graphs.items()}
+    kl = {k: quality.text_metrics(ids, logits["fp32"], logits[k])["kl"] for k in ("separate", "base")}
+    assert kl["separate"] < 0.5 * kl["base"], kl
+
+
+def _graph_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
+    from llmpipe import device
+    from llmpipe.infer.fused import FusedEngine, GraphConfig
+    from llmpipe.infer.ort import create_session
+
+    session = create_session(folder / "model.onnx", device.ort_providers(["cpu"])[0], 2)
+    return FusedEngine(session, GraphConfig.read(folder), 64).prompt(ids)

@@ -192,7 +192,8 @@ def test_the_adapter_field_is_a_lora_runs_and_a_folded_int4s(tmp_path):
     from llmpipe.stages import fingerprints
 
     base = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
-            "train": {"lora": {"rank": 8}}, "benchmark": {"variants": ["fp32", "int4"]}}
+            "train": {"lora": {"rank": 8}}, "export": {"ort_graph": True}, "consolidate": {"hf_layout": True},
+            "benchmark": {"variants": ["fp32", "int4"]}}
 
     def with_int4(section, cfg=base):
         return from_dict({**cfg, "benchmark": {**cfg["benchmark"], "quantize": {"int4": section}}})
@@ -207,3 +208,20 @@ def test_the_adapter_field_is_a_lora_runs_and_a_folded_int4s(tmp_path):
     assert "train.lora" in str(err.value)
     with pytest.raises(ConfigError, match="adapter=separate"):
         with_int4({"adapter": "separate", "algorithm": "rtn"})
+
+
+def test_a_separate_adapter_the_model_or_the_export_cannot_hold_is_refused_when_the_config_loads(tmp_path):
+    """Before any work: the separate adapter is the ORT-optimised graph's (export.ort_graph), and the fold
+    needs each projection's input in whole blocks (the debug flavor's feed-forward, 176, is not whole blocks of
+    32); one line naming the field."""
+    from llmpipe.config import from_dict
+    from llmpipe.errors import ConfigError
+
+    cfg = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+           "model": {"flavor": "debug"}, "train": {"lora": {"rank": 8}},
+           "benchmark": {"variants": ["fp32", "int4"], "quantize": {"int4": {"adapter": "separate"}}}}
+    with pytest.raises(ConfigError, match=r"benchmark.quantize.int4.adapter: separate is the ORT-optimised") as err:
+        from_dict(cfg)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=r"whole blocks of 32; the model has ffn_dim="):
+        from_dict({**cfg, "export": {"ort_graph": True}, "consolidate": {"hf_layout": True}})
