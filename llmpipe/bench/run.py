@@ -421,7 +421,7 @@ def _models(ctx: StageContext, args, torch_model, variants, threads: int, calib:
             export.metrics.get("static_decoder_cache_len"), calib, cfg.quantize.calibration_decode_steps,
             device.ort_providers(["cpu"])[0], threads)
         static = make_variants(path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, filename=STATIC_FILE,
-                               quantize=cfg.quantize, calibration=reader)
+                               quantize=cfg.quantize, calibration=reader, lora=lora_folders(ctx))
     om, om_reason = om_models(ctx)
     return Models(args, torch_model, variants, static, export.metrics.get("static_decoder_cache_len"), threads,
                   om, om_reason, list(cfg.variants), ort_graphs(ctx))
@@ -448,15 +448,33 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
         options = fused.weight_only_options(section) if name in cfg.variants else None
         if options is None:
             continue
+        if section.adapter == "separate" and adapter is None:
+            raise StageError(f"benchmark.quantize.{name}.adapter: separate, but consolidate wrote no LoRA adapter "
+                             f"(adapter/ in {folder})")
         t0 = time.perf_counter()
         try:
             out[name] = fused.build_weight_only(hf, ctx.work_dir / VARIANTS_DIR / name / ORT_SUBDIR, section,
                                                 adapter_dir=adapter).parent
         except StageError as err:
             raise StageError(f"benchmark: the {name} variant's {err}") from None
-        log.info("variant %s: ORT-optimised graph (%s, %s, %s) in %.1fs", name, section.algorithm, options[0],
-                 " ".join(f"{k}={v}" for k, v in options[1].items()), time.perf_counter() - t0)
+        kept = ", the LoRA adapter kept separate" if adapter is not None and section.adapter == "separate" else ""
+        log.info("variant %s: ORT-optimised graph (%s, %s, %s%s) in %.1fs", name, section.algorithm, options[0],
+                 " ".join(f"{k}={v}" for k, v in options[1].items()), kept, time.perf_counter() - t0)
     return out
+
+
+def lora_folders(ctx: StageContext) -> tuple[Path, Path] | None:
+    """(consolidate's hf/, its adapter/) for a LoRA run that keeps the adapter separate in a weight-only
+    variant's portable graphs; None otherwise."""
+    q = ctx.cfg.benchmark.quantize
+    if not any(getattr(q, n).adapter == "separate" for n in ("int4", "int8w") if n in ctx.cfg.benchmark.variants):
+        return None
+    folder, manifest = ctx.inputs["consolidate"]
+    adapter = lora_adapter(folder, manifest)
+    if adapter is None:
+        raise StageError(f"benchmark.quantize: adapter separate, but consolidate wrote no LoRA adapter (adapter/ in "
+                         f"{folder})")
+    return manifest.path(folder, "hf/config.json").parent, adapter
 
 
 def lora_adapter(folder: Path, manifest) -> Path | None:
@@ -562,7 +580,8 @@ def run(ctx: StageContext) -> StageResult:
     calib = calibration_windows(ctx, args.max_seq_len)
     threads = cfg.threads or os.cpu_count() or 1
     variants = make_variants(onnx_path, list(cfg.variants), ctx.work_dir / VARIANTS_DIR, quantize=cfg.quantize,
-                             calibration=None if calib is None else partial(calibrate.prefill_reader, calib))
+                             calibration=None if calib is None else partial(calibrate.prefill_reader, calib),
+                             lora=lora_folders(ctx))
     torch_model = load_model(model_dir, dtype=torch.float32)
     results = benchmark(variants, providers, cfg.shapes, requested=list(cfg.variants),
                         vocab_size=args.vocab_size, warmup=cfg.warmup, iters=cfg.iters, threads=threads,

@@ -85,17 +85,19 @@ def dequantize(packed: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k:
     return w.reshape(n, nb * block)[:, :k].T
 
 
-def fold_model(model) -> int:
+def fold_model(model, ranks: dict[str, int] | None = None) -> int:
     """Rewrites, in place, every 4-bit MatMulNBits node of `model` (a ModelProto) whose zero points are a float
     initializer, whose K is whole blocks and whose input's rank shape inference knows: integer zero points
     plus the appended block-sum rows (module docstring). Returns how many nodes were folded (the others
-    keep their float zero points: slower, never wrong)."""
+    keep their float zero points: slower, never wrong). `ranks`: value name -> rank, from the graph before it
+    was quantized (shape inference stops at the first contrib op of a graph that does not declare its values'
+    shapes, as torch's exports do not); None: inferred here."""
     import onnx
     from onnx import helper, numpy_helper
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    ranks = _ranks(model)
+    ranks = ranks if ranks is not None else _ranks(model)
     sums: dict[tuple[str, int, int], str] = {}  # (input, K, block) -> the input with its block sums appended
     new_nodes = []
     folded = 0

@@ -104,10 +104,57 @@ class Adapter:
         return cls(tensors, scale)
 
 
-def attach(model, adapter: Adapter) -> int:
+def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, str]]:
+    """The base in a graph of the merged weights (llmpipe's portable graphs, whose node names do not say the
+    layer): each weight MatMul whose weight is an adapted projection of consolidate's `hf_dir` (found by its
+    bytes: the graph's [in, out] is hf's [out, in] transposed) gets s B A taken off, in place. Returns
+    MatMul node name -> (layer, module), what attach() needs for a graph not named as the builder names it;
+    AdapterError when a module of the adapter is in no MatMul."""
+    import hashlib
+
+    from onnx import numpy_helper
+    from safetensors import safe_open
+
+    def digest(t: np.ndarray) -> tuple:
+        return t.shape, t.dtype.str, hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest()
+
+    wanted: dict[tuple, tuple[int, str]] = {}
+    for path in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(path), "np") as f:
+            for key in f.keys():
+                m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", key)
+                if m and (int(m.group(1)), m.group(3)) in adapter.tensors:
+                    wanted[digest(f.get_tensor(key).T)] = (int(m.group(1)), m.group(3))
+    inits = {t.name: t for t in model.graph.initializer}
+    found: dict[str, tuple[int, str]] = {}
+    done: dict[str, tuple[int, str]] = {}  # initializer -> its module (taken off once, if two nodes read it)
+    for node in model.graph.node:
+        if node.op_type != "MatMul" or len(node.input) < 2 or node.input[1] not in inits:
+            continue
+        name = node.input[1]
+        if name in done:
+            found[node.name] = done[name]
+            continue
+        w = numpy_helper.to_array(inits[name])
+        key = wanted.get(digest(w)) if w.ndim == 2 else None
+        if key is None:
+            continue
+        a, b = adapter.tensors[key]
+        inits[name].CopyFrom(numpy_helper.from_array((w - adapter.scale * (b @ a).T).astype(w.dtype), name))
+        found[node.name] = done[name] = key
+    missing = sorted(set(adapter.tensors) - set(found.values()))
+    if missing:
+        raise AdapterError(f"the adapter's layer {missing[0][0]} {missing[0][1]}: no MatMul of the graph has its "
+                           f"merged weight ({hf_dir})")
+    return found
+
+
+def attach(model, adapter: Adapter, modules: dict[str, tuple[int, str]] | None = None) -> int:
     """Rewrites `model` (a ModelProto whose 4-bit MatMulNBits nodes were folded by llmpipe.infer.fold) in place
-    so that it computes the base plus `adapter` (module docstring). Returns the nodes changed; AdapterError
-    when a module of the adapter has no folded node, or a shape does not match."""
+    so that it computes the base plus `adapter` (module docstring). Which module a node computes: its name as
+    the builder names it, or `modules` (take_off's: MatMul node name, before the quantizer's _Q4 suffix, ->
+    (layer, module)). Returns the nodes changed; AdapterError when a module of the adapter has no folded
+    node, or a shape does not match."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -120,6 +167,10 @@ def attach(model, adapter: Adapter) -> int:
             continue
         concat = producers.get(node.input[0])
         if concat is None or concat.op_type != "Concat" or not concat.name.endswith("_concat"):
+            continue
+        if modules is not None:
+            layer, module = modules.get(node.name.removesuffix("_Q4"), (-1, None))
+            readers.setdefault(concat.name, []).append((node, layer, (module,) if module else ()))
             continue
         m = _NODE.search(node.name)
         if m is None:  # a folded node of no projection (the input is shared: it gets zero rows)

@@ -103,7 +103,7 @@ def _size(src: Path) -> int:
 
 def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int,
                          symmetric: bool = False, algorithm: str = "rtn", head_bits: int | None = None,
-                         zero_points: str = "integer", adapter=None) -> list[Path]:
+                         zero_points: str = "integer", adapter=None, merged_hf: Path | None = None) -> list[Path]:
     """Weight-only quantization with onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant
     weight becomes MatMulNBits (`bits`-bit weights in blocks of `block_size` input rows, one fp32 scale
     and zero point per block); activations stay fp32 unless `accuracy_level` 4 (int8 activations inside
@@ -113,8 +113,10 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     (8: a second round-to-nearest pass over the head alone, which on SmolLM2-135M is what keeps 4-bit within
     its gates; docs/measurements/quantisation.md). `zero_points`: integer folds hqq's float zero points into
     integer ones and appended block-sum rows (llmpipe.infer.fold), onnxruntime's fast kernel path; float
-    keeps them (its slow path, dequantising every call). `adapter` (llmpipe.infer.lora_rows.Adapter; `src` is
-    then the graph of its base): the adapter's product appended as rows of the folded nodes."""
+    keeps them (its slow path, dequantising every call). `adapter` (llmpipe.infer.lora_rows.Adapter): the
+    adapter's product appended as rows of the folded nodes, `src` being the graph of its base (the builder's,
+    named by module), or with `merged_hf` (consolidate's hf/) a graph of the merged weights, whose adapted
+    weights get the product taken off first (llmpipe's portable graphs)."""
     import onnx
 
     from llmpipe.infer import fold
@@ -126,17 +128,25 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     logging.getLogger().addFilter(quiet)
     try:
         head = fp32_matmuls(src, ["head"]) if head_bits and head_bits != bits else []
-        model = _nbits(onnx.load(str(src)), bits, block_size, accuracy_level, symmetric, algorithm, exclude=head)
+        model = onnx.load(str(src))
+        # the values' ranks before any contrib op is in the graph (what the fold needs to know of its inputs)
+        ranks = fold._ranks(model) if algorithm == "hqq" and zero_points == "integer" else None
+        modules = None
+        if adapter is not None and merged_hf is not None:
+            from llmpipe.infer import lora_rows
+
+            modules = lora_rows.take_off(model, merged_hf, adapter)
+        model = _nbits(model, bits, block_size, accuracy_level, symmetric, algorithm, exclude=head)
         if head:
             # NOTE: blocks of 32 for the head, as llama.cpp's q8_0 (what the shipped SmolLM2 GGUF keeps it at)
             model = _nbits(model, head_bits, 32, accuracy_level, symmetric, "rtn", include=head)
         # NOTE: after every quantizer pass: the fold's and the adapter's own MatMuls (block sums, x A^T) stay fp32
         if algorithm == "hqq" and zero_points == "integer":
-            fold.fold_model(model)
+            fold.fold_model(model, ranks)
         if adapter is not None:
             from llmpipe.infer import lora_rows
 
-            lora_rows.attach(model, adapter)
+            lora_rows.attach(model, adapter, modules)
             # x A^T at 8 bits (blocks of 32, round to nearest): measured 3-5% faster decode than fp32 A on
             # SmolLM2-135M (a quarter of its bytes), the fine-tune's quality the same (docs/measurements/
             # quantisation.md). NOTE: the quantizer's nodes_to_include adds to its op types rather than
@@ -260,21 +270,30 @@ class FeedsReader:
 
 
 def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: str = MODEL_FILE,
-                  quantize=None, calibration=None) -> dict[str, Variant]:
+                  quantize=None, calibration=None, lora: tuple[Path, Path] | None = None) -> dict[str, Variant]:
     """The FP32 graph plus each requested variant under out_dir/<name>/<filename>. FP32 is always
     included (it is the accuracy reference). A failed conversion is recorded, not raised.
 
     `quantize`: benchmark.quantize (llmpipe.config.QuantizeSection: the int4 / int8w / int8s settings).
-    `calibration`: for int8s, a callable returning the CalibrationDataReader of this graph."""
+    `calibration`: for int8s, a callable returning the CalibrationDataReader of this graph. `lora`: a LoRA
+    run's (consolidate's hf/, adapter/), for a weight-only variant whose adapter is kept separate
+    (benchmark.quantize.<v>.adapter)."""
 
     def weight_only(variant):
         def make(src, dst):
             if quantize is None:
                 raise ValueError(f"{variant} needs the benchmark.quantize settings, none were given")
             section = getattr(quantize, variant)
+            adapter = merged = None
+            if section.adapter == "separate":
+                from llmpipe.infer import lora_rows
+
+                if lora is None:
+                    raise ValueError(f"benchmark.quantize.{variant}.adapter: separate, but no LoRA adapter was given")
+                merged, adapter = lora[0], lora_rows.Adapter.read(lora[1])
             return quantize_weight_only(src, dst, section.bits, section.block_size, section.accuracy_level,
                                         section.symmetric, section.algorithm, section.head_bits,
-                                        section.zero_points)
+                                        section.zero_points, adapter, merged)
         return make
 
     def static(src, dst):
