@@ -53,6 +53,11 @@ class Adapter:
     tensors: dict[tuple[int, str], tuple[np.ndarray, np.ndarray]]
     scale: float
 
+    def product(self, layer: int, module: str) -> np.ndarray:
+        """s B A [out, in]: what the adapter adds to that projection's weight."""
+        a, b = self.tensors[(layer, module)]
+        return self.scale * (b @ a)
+
     @classmethod
     def read(cls, folder: Path) -> Adapter:
         from safetensors import SafetensorError, safe_open
@@ -104,11 +109,12 @@ class Adapter:
         return cls(tensors, scale)
 
 
-def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, str]]:
+def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, tuple[str, ...]]]:
     """The base in a graph of the merged weights (llmpipe's portable graphs, whose node names do not say the
-    layer): each weight MatMul whose weight is an adapted projection of consolidate's `hf_dir` (found by its
-    bytes: the graph's [in, out] is hf's [out, in] transposed) gets s B A taken off, in place. Returns
-    MatMul node name -> (layer, module), what attach() needs for a graph not named as the builder names it;
+    layer): each weight MatMul whose weight is an adapted projection of consolidate's `hf_dir`, or a packed
+    q/k/v or gate/up of them (the static decoder's), found by its bytes (the graph's [in, out] is hf's
+    [out, in] transposed, packs side by side), gets s B A taken off, in place. Returns MatMul node name ->
+    (layer, modules in output order), what attach() needs for a graph not named as the builder names it;
     AdapterError when a module of the adapter is in no MatMul."""
     import hashlib
 
@@ -118,16 +124,22 @@ def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, str]
     def digest(t: np.ndarray) -> tuple:
         return t.shape, t.dtype.str, hashlib.sha256(np.ascontiguousarray(t).tobytes()).hexdigest()
 
-    wanted: dict[tuple, tuple[int, str]] = {}
+    layers = {layer for layer, _ in adapter.tensors}
+    weights: dict[tuple[int, str], np.ndarray] = {}  # every projection of an adapted layer (packs need them all)
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(path), "np") as f:
             for key in f.keys():
                 m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", key)
-                if m and (int(m.group(1)), m.group(3)) in adapter.tensors:
-                    wanted[digest(f.get_tensor(key).T)] = (int(m.group(1)), m.group(3))
+                if m and int(m.group(1)) in layers and m.group(3) in _PARENT:
+                    weights[(int(m.group(1)), m.group(3))] = f.get_tensor(key)
+    wanted: dict[tuple, tuple[int, tuple[str, ...]]] = {}
+    for layer in layers:
+        for pack in [(mod,) for mod in _PARENT] + list(_PACKED.values()):
+            if any((layer, mod) in adapter.tensors for mod in pack) and all((layer, mod) in weights for mod in pack):
+                wanted[digest(np.concatenate([weights[(layer, mod)].T for mod in pack], axis=1))] = (layer, pack)
     inits = {t.name: t for t in model.graph.initializer}
-    found: dict[str, tuple[int, str]] = {}
-    done: dict[str, tuple[int, str]] = {}  # initializer -> its module (taken off once, if two nodes read it)
+    found: dict[str, tuple[int, tuple[str, ...]]] = {}
+    done: dict[str, tuple[int, tuple[str, ...]]] = {}  # initializer -> its modules (taken off once)
     for node in model.graph.node:
         if node.op_type != "MatMul" or len(node.input) < 2 or node.input[1] not in inits:
             continue
@@ -139,21 +151,24 @@ def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, str]
         key = wanted.get(digest(w)) if w.ndim == 2 else None
         if key is None:
             continue
-        a, b = adapter.tensors[key]
-        inits[name].CopyFrom(numpy_helper.from_array((w - adapter.scale * (b @ a).T).astype(w.dtype), name))
+        layer, pack = key
+        delta = [adapter.product(layer, mod).T if (layer, mod) in adapter.tensors else
+                 np.zeros(weights[(layer, mod)].T.shape, np.float32) for mod in pack]
+        inits[name].CopyFrom(numpy_helper.from_array((w - np.concatenate(delta, axis=1)).astype(w.dtype), name))
         found[node.name] = done[name] = key
-    missing = sorted(set(adapter.tensors) - set(found.values()))
+    covered = {(layer, mod) for layer, pack in found.values() for mod in pack}
+    missing = sorted(set(adapter.tensors) - covered)
     if missing:
         raise AdapterError(f"the adapter's layer {missing[0][0]} {missing[0][1]}: no MatMul of the graph has its "
                            f"merged weight ({hf_dir})")
     return found
 
 
-def attach(model, adapter: Adapter, modules: dict[str, tuple[int, str]] | None = None) -> int:
+def attach(model, adapter: Adapter, modules: dict[str, tuple[int, tuple[str, ...]]] | None = None) -> int:
     """Rewrites `model` (a ModelProto whose 4-bit MatMulNBits nodes were folded by llmpipe.infer.fold) in place
     so that it computes the base plus `adapter` (module docstring). Which module a node computes: its name as
     the builder names it, or `modules` (take_off's: MatMul node name, before the quantizer's _Q4 suffix, ->
-    (layer, module)). Returns the nodes changed; AdapterError when a module of the adapter has no folded
+    (layer, modules)). Returns the nodes changed; AdapterError when a module of the adapter has no folded
     node, or a shape does not match."""
     from onnx import helper, numpy_helper
 
@@ -169,8 +184,8 @@ def attach(model, adapter: Adapter, modules: dict[str, tuple[int, str]] | None =
         if concat is None or concat.op_type != "Concat" or not concat.name.endswith("_concat"):
             continue
         if modules is not None:
-            layer, module = modules.get(node.name.removesuffix("_Q4"), (-1, None))
-            readers.setdefault(concat.name, []).append((node, layer, (module,) if module else ()))
+            layer, pack = modules.get(node.name.removesuffix("_Q4"), (-1, ()))
+            readers.setdefault(concat.name, []).append((node, layer, pack))
             continue
         m = _NODE.search(node.name)
         if m is None:  # a folded node of no projection (the input is shared: it gets zero rows)
@@ -344,7 +359,7 @@ def write_base(hf_dir: Path, adapter: Adapter, out_dir: Path) -> Path:
                     if t.shape != (b.shape[0], a.shape[1]):
                         raise AdapterError(f"{path}: {key} is {list(t.shape)}, the adapter's product "
                                            f"{[b.shape[0], a.shape[1]]}")
-                    t = (t.astype(np.float32) - adapter.scale * (b @ a)).astype(t.dtype)
+                    t = (t.astype(np.float32) - adapter.product(int(m.group(1)), m.group(3))).astype(t.dtype)
                     taken.add((int(m.group(1)), m.group(3)))
                 tensors[key] = t
         save_file(tensors, str(out_dir / path.name), metadata=metadata)

@@ -227,11 +227,13 @@ def test_a_separate_adapter_the_model_or_the_export_cannot_hold_is_refused_when_
         from_dict({**cfg, "export": {"ort_graph": True}, "consolidate": {"hf_layout": True}})
 
 
-def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_adapter_as_rows(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_adapter_as_rows(tmp_path, packed):
     """llmpipe's portable graphs are of the merged weights and do not name their layers: make_variants (the
     benchmark's int4 of them, adapter separate) finds each adapted projection by its merged weight's bytes in
-    consolidate's hf/, takes s B A off, quantises the base and appends the adapter. Its outputs minus those of
-    the base's own int4 are the adapter's product, to within a tenth of it (as above)."""
+    consolidate's hf/ (packed: q/k/v and gate/up side by side in one MatMul, as the static decoder has them),
+    takes s B A off, quantises the base and appends the adapter. Its outputs minus those of the base's own
+    int4 are the adapter's product, to within a tenth of it (as above)."""
     from safetensors.numpy import save_file as save
 
     from llmpipe.config import QuantizeSection
@@ -239,18 +241,21 @@ def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_a
 
     _, w = _graph()
     ab = _adapter(tmp_path / "adapter", 0.3 * float(np.median([np.ptp(v[:32], axis=0).mean() for v in w.values()])) / 15)
-    names = {"q_proj": ("/wq/MatMul", "x"), "k_proj": ("/wk/MatMul", "x"), "v_proj": ("/wv/MatMul", "x"),
-             "gate_proj": ("/feed_forward/w1/MatMul", "m"), "up_proj": ("/feed_forward/w3/MatMul", "m"),
-             "down_proj": ("/feed_forward/w2/MatMul", "h")}
+    # node -> (its input, the modules side by side in its weight)
+    names = {"/MatMul": ("x", ("q_proj", "k_proj", "v_proj")), "/MatMul_5": ("m", ("gate_proj", "up_proj")),
+             "/w2/MatMul": ("h", ("down_proj",))} if packed else {
+        "/wq/MatMul": ("x", ("q_proj",)), "/wk/MatMul": ("x", ("k_proj",)), "/wv/MatMul": ("x", ("v_proj",)),
+        "/feed_forward/w1/MatMul": ("m", ("gate_proj",)), "/feed_forward/w3/MatMul": ("m", ("up_proj",)),
+        "/feed_forward/w2/MatMul": ("h", ("down_proj",))}
 
     def portable(weights: dict[str, np.ndarray], path: Path) -> Path:
         inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", k]) for n, k in
                   (("x", H), ("m", H), ("h", F))]
         nodes, outputs, inits = [], [], []
-        for i, (mod, (name, x)) in enumerate(names.items()):
-            inits.append(numpy_helper.from_array(weights[mod], f"onnx::MatMul_{i}"))
-            nodes.append(helper.make_node("MatMul", [x, f"onnx::MatMul_{i}"], [mod], name=name))
-            outputs.append(helper.make_tensor_value_info(mod, TensorProto.FLOAT, ["b", "s", OUTS[mod]]))
+        for i, (name, (x, mods)) in enumerate(names.items()):
+            inits.append(numpy_helper.from_array(np.concatenate([weights[m] for m in mods], axis=1), f"onnx::MatMul_{i}"))
+            nodes.append(helper.make_node("MatMul", [x, f"onnx::MatMul_{i}"], [f"y{i}"], name=name))
+            outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["b", "s", sum(OUTS[m] for m in mods)]))
         graph = helper.make_graph(nodes, "portable", inputs, outputs, inits)
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
         return path
@@ -269,7 +274,7 @@ def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_a
     rng = np.random.default_rng(2)
     feeds = {n: rng.standard_normal((2, 3, k)).astype(np.float32) for n, k in (("x", H), ("m", H), ("h", F))}
     out = [a - b for a, b in zip(_run(onnx.load(str(got.path)), feeds), _run(onnx.load(str(base.path)), feeds))]
-    for mod, diff in zip(names, out):
-        want = feeds[names[mod][1]] @ (SCALE * ab[mod][1] @ ab[mod][0]).T
+    for (name, (x, mods)), diff in zip(names.items(), out):
+        want = np.concatenate([feeds[x] @ (SCALE * ab[m][1] @ ab[m][0]).T for m in mods], axis=-1)
         err = np.linalg.norm(diff - want) / np.linalg.norm(want)
-        assert err < 0.1, (mod, err)
+        assert err < 0.1, (name, err)
