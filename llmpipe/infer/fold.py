@@ -27,7 +27,7 @@ import numpy as np
 ZP_BITS = 4
 
 
-def _unpack4(packed: np.ndarray) -> np.ndarray:
+def unpack4(packed: np.ndarray) -> np.ndarray:
     """uint8 [..., m] two 4-bit values per byte (low nibble first) -> uint8 [..., 2m]."""
     out = np.empty(packed.shape[:-1] + (packed.shape[-1] * 2,), dtype=np.uint8)
     out[..., 0::2] = packed & 0x0F
@@ -35,7 +35,7 @@ def _unpack4(packed: np.ndarray) -> np.ndarray:
     return out
 
 
-def _pack4(values: np.ndarray) -> np.ndarray:
+def pack4(values: np.ndarray) -> np.ndarray:
     """uint8 [..., 2m] values in 0..15 -> [..., m] bytes, low nibble first (values of odd length padded 0)."""
     if values.shape[-1] % 2:
         values = np.concatenate([values, np.zeros(values.shape[:-1] + (1,), np.uint8)], axis=-1)
@@ -47,7 +47,7 @@ def fold_weights(packed: np.ndarray, scales: np.ndarray, zf: np.ndarray, k: int,
     folded node's (packed [N, nb + ne, block/2], scales [N, nb + ne], uint8 zero points [N, ceil((nb+ne)/2)],
     ne: blocks of the appended correction rows). K must be whole blocks."""
     nb = k // block
-    q = _unpack4(packed.reshape(n, nb, block // 2))
+    q = unpack4(packed.reshape(n, nb, block // 2))
     s = scales.reshape(n, nb).astype(np.float32)
     zf = zf.reshape(n, nb).astype(np.float32)
     levels = (1 << ZP_BITS) - 1
@@ -66,21 +66,21 @@ def fold_weights(packed: np.ndarray, scales: np.ndarray, zf: np.ndarray, k: int,
     q_all = np.concatenate([q, cq], axis=1)  # [N, nb + ne, block]
     s_all = np.concatenate([s, cs], axis=1)
     z_all = np.concatenate([zi, cz], axis=1).astype(np.uint8)
-    return _pack4(q_all), s_all.reshape(-1), _pack4(z_all).reshape(-1), ne
+    return pack4(q_all), s_all.reshape(-1), pack4(z_all).reshape(-1), ne
 
 
 def dequantize(packed: np.ndarray, scales: np.ndarray, zp: np.ndarray | None, k: int, n: int, block: int,
                float_zp: bool) -> np.ndarray:
     """The [K, N] float weight a 4-bit MatMulNBits node computes with (for tests and checks)."""
     nb = -(-k // block)
-    q = _unpack4(packed.reshape(n, nb, block // 2)).astype(np.float32)
+    q = unpack4(packed.reshape(n, nb, block // 2)).astype(np.float32)
     s = scales.reshape(n, nb).astype(np.float32)
     if zp is None:
         z = np.full((n, nb), 8.0, np.float32)
     elif float_zp:
         z = zp.reshape(n, nb).astype(np.float32)
     else:
-        z = _unpack4(zp.reshape(n, -1))[:, :nb].astype(np.float32)
+        z = unpack4(zp.reshape(n, -1))[:, :nb].astype(np.float32)
     w = (q - z[..., None]) * s[..., None]  # [N, nb, block]
     return w.reshape(n, nb * block)[:, :k].T
 
@@ -97,7 +97,7 @@ def fold_model(model, ranks: dict[str, int] | None = None) -> int:
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
-    ranks = ranks if ranks is not None else _ranks(model)
+    ranks = ranks if ranks is not None else value_ranks(model)
     sums: dict[tuple[str, int, int], str] = {}  # (input, K, block) -> the input with its block sums appended
     new_nodes = []
     folded = 0
@@ -128,7 +128,7 @@ def fold_model(model, ranks: dict[str, int] | None = None) -> int:
     return folded
 
 
-def _ranks(model) -> dict[str, int]:
+def value_ranks(model) -> dict[str, int]:
     """Value name -> rank, from onnx's shape inference over a copy of the graph without its weights' bytes
     (the dims are what it needs; a 7B graph's bytes would pass protobuf's 2 GB limit)."""
     import onnx

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from llmpipe.errors import UserError
-from llmpipe.infer.fold import ZP_BITS, _pack4, _unpack4
+from llmpipe.infer.fold import ZP_BITS, pack4, unpack4
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 A_SUFFIX = "_lora_matmul"  # the x A^T MatMuls attach() adds (quantize_weight_only puts them at 8 bits)
@@ -79,7 +79,8 @@ class Adapter:
         if r <= 0:
             raise AdapterError(f"{folder / CONFIG}: r must be positive, got {r}")
         scale = alpha / (r ** 0.5 if config.get("use_rslora") else r)
-        key_re = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.lora_([AB])\.weight")
+        key_re = re.compile(r"(?:base_model\.model\.)?model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)"
+                            r"\.lora_([AB])\.weight")
         found: dict[tuple[int, str], dict[str, np.ndarray]] = {}
         path = folder / WEIGHTS
         try:
@@ -242,7 +243,7 @@ def _rows(nodes: list, adapter: Adapter) -> tuple[np.ndarray, list]:
     k = k_folded * block // (block + 1)  # the input's width: the fold appended k / block sums
     columns: list[np.ndarray] = []  # A^T of each module, side by side
     offsets: dict[tuple[int, str], int] = {}
-    for node, layer, modules in nodes:
+    for _, layer, modules in nodes:
         for mod in modules:
             if (layer, mod) not in adapter.tensors:  # a module the adapter leaves alone: zero rows
                 continue
@@ -318,15 +319,15 @@ def _insert_rows(inits: dict, node, rows: np.ndarray, nb: int, block: int) -> No
     scales = numpy_helper.to_array(inits[node.input[2]])
     zp = numpy_helper.to_array(inits[node.input[3]])
     total = packed.size // (n * block // 2)
-    q = _unpack4(packed.reshape(n, total, block // 2))
+    q = unpack4(packed.reshape(n, total, block // 2))
     s = scales.reshape(n, total)
-    z = _unpack4(zp.reshape(n, -1))[:, :total]
+    z = unpack4(zp.reshape(n, -1))[:, :total]
     rq, rs, rz = quantize_rows(rows, block)
     q = np.concatenate([q[:, :nb], rq, q[:, nb:]], axis=1)
     s = np.concatenate([s[:, :nb], rs.astype(s.dtype), s[:, nb:]], axis=1)
     z = np.concatenate([z[:, :nb], rz, z[:, nb:]], axis=1)
-    for name, arr in ((node.input[1], _pack4(q)), (node.input[2], s.reshape(-1)),
-                      (node.input[3], _pack4(z).reshape(-1))):
+    for name, arr in ((node.input[1], pack4(q)), (node.input[2], s.reshape(-1)),
+                      (node.input[3], pack4(z).reshape(-1))):
         inits[name].CopyFrom(numpy_helper.from_array(arr, name))
 
 

@@ -130,7 +130,7 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
         head = fp32_matmuls(src, ["head"]) if head_bits and head_bits != bits else []
         model = onnx.load(str(src))
         # the values' ranks before any contrib op is in the graph (what the fold needs to know of its inputs)
-        ranks = fold._ranks(model) if algorithm == "hqq" and zero_points == "integer" else None
+        ranks = fold.value_ranks(model) if algorithm == "hqq" and zero_points == "integer" else None
         modules = None
         if adapter is not None and merged_hf is not None:
             from llmpipe.infer import lora_rows

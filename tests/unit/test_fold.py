@@ -62,7 +62,7 @@ def test_the_folded_weights_dequantise_to_the_float_grid_within_a_thirtieth_of_i
     q = rng.integers(0, 16, (n, nb, block)).astype(np.uint8)
     scales = rng.uniform(0.01, 0.02, (n, nb)).astype(np.float32)
     zf = rng.uniform(0, 15, (n, nb)).astype(np.float32)
-    packed = fold._pack4(q)
+    packed = fold.pack4(q)
     want = fold.dequantize(packed, scales, zf, k, n, block, float_zp=True)
     b, s, z, ne = fold.fold_weights(packed, scales, zf, k, n, block)
     assert ne == 1 and b.shape == (n, nb + ne, block // 2) and s.shape == (n * (nb + ne),)

@@ -34,7 +34,8 @@ def _graph(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, np.ndarray]]:
             ("m", H, "/model/layers.0/mlp/gate_proj/MatMul", w["gate_proj"], "gate"),
             ("m", H, "/model/layers.0/mlp/up_proj/MatMul", w["up_proj"], "up"),
             ("h", F, "/model/layers.0/mlp/down_proj/MatMul", w["down_proj"], "down")]
-    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", k]) for n, k in (("x", H), ("m", H), ("h", F))]
+    inputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", k])
+              for n, k in (("x", H), ("m", H), ("h", F))]
     nodes, outputs, inits = [], [], []
     for x, _, name, weight, out in spec:
         inits.append(numpy_helper.from_array(weight, out + "_W"))
@@ -107,7 +108,8 @@ def test_the_appended_rows_compute_the_adapters_product(tmp_path, modules):
     ops = [n.op_type for n in attached.graph.node]
     assert ops.count("MatMul") == (3 if len(modules) == 6 else 2)  # x A^T for each input an adapted module reads
     inits = {t.name: t for t in attached.graph.initializer}
-    assert all(inits[n.input[3]].data_type == TensorProto.UINT8 for n in attached.graph.node if n.op_type == "MatMulNBits")
+    assert all(inits[n.input[3]].data_type == TensorProto.UINT8
+               for n in attached.graph.node if n.op_type == "MatMulNBits")
 
 
 def test_the_base_comes_back_out_of_the_merged_weights(tmp_path):
@@ -240,7 +242,8 @@ def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_a
     from llmpipe.infer.ort import make_variants
 
     _, w = _graph()
-    ab = _adapter(tmp_path / "adapter", 0.3 * float(np.median([np.ptp(v[:32], axis=0).mean() for v in w.values()])) / 15)
+    step = float(np.median([np.ptp(v[:32], axis=0).mean() for v in w.values()])) / 15  # a typical 4-bit step
+    ab = _adapter(tmp_path / "adapter", 0.3 * step)
     # node -> (its input, the modules side by side in its weight)
     names = {"/MatMul": ("x", ("q_proj", "k_proj", "v_proj")), "/MatMul_5": ("m", ("gate_proj", "up_proj")),
              "/w2/MatMul": ("h", ("down_proj",))} if packed else {
@@ -253,9 +256,10 @@ def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_a
                   (("x", H), ("m", H), ("h", F))]
         nodes, outputs, inits = [], [], []
         for i, (name, (x, mods)) in enumerate(names.items()):
-            inits.append(numpy_helper.from_array(np.concatenate([weights[m] for m in mods], axis=1), f"onnx::MatMul_{i}"))
+            weight = np.concatenate([weights[m] for m in mods], axis=1)
+            inits.append(numpy_helper.from_array(weight, f"onnx::MatMul_{i}"))
             nodes.append(helper.make_node("MatMul", [x, f"onnx::MatMul_{i}"], [f"y{i}"], name=name))
-            outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["b", "s", sum(OUTS[m] for m in mods)]))
+            outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, ["b", "s", weight.shape[1]]))
         graph = helper.make_graph(nodes, "portable", inputs, outputs, inits)
         onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(path))
         return path
