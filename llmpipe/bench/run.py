@@ -463,6 +463,18 @@ def ort_graphs(ctx: StageContext) -> dict[str, Path]:
     return out
 
 
+def lora_hint(cfg, rejected: Sequence[str]) -> str | None:
+    """What to try when a LoRA run's int4 of the merged weights was rejected (a delta below a 4-bit step is
+    what the chat demo's fine-tune of the 4-bit-shipped SmolLM2 has), or None."""
+    q = cfg.benchmark.quantize.int4
+    if "int4" not in rejected or cfg.train.lora is None or q.adapter != "merged" or not cfg.export.ort_graph:
+        return None
+    return ("int4: rejected on a LoRA run. When the fine-tune's weight changes are below a 4-bit step (a base that "
+            "came from a 4-bit file), int4 of the merged weights rounds them away; benchmark.quantize.int4.adapter: "
+            "separate (with algorithm hqq, zero_points integer) keeps the adapter apart from the 4-bit base "
+            "(docs/measurements/quantisation.md).")
+
+
 def lora_folders(ctx: StageContext) -> tuple[Path, Path] | None:
     """(consolidate's hf/, its adapter/) for a LoRA run that keeps the adapter separate in a weight-only
     variant's portable graphs; None otherwise."""
@@ -603,6 +615,10 @@ def run(ctx: StageContext) -> StageResult:
     verdicts = results["quality"].pop("verdicts")
     if results["gguf"] is not None:
         verdicts = [*verdicts, *results["gguf"].pop("verdicts")]
+    hint = lora_hint(ctx.cfg, [v.variant for v in verdicts if not v.passed])
+    if hint:
+        log.warning("%s", hint)
+        results["notes"].append(hint)
     if cfg.serving.enabled:
         results["serving"] = serving_results(ctx, threads)
     results["om"] = "om: measured through ais_bench" if models.om else f"om: not measured, {models.om_reason}"

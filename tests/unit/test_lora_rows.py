@@ -282,3 +282,19 @@ def test_the_portable_graphs_get_the_base_back_from_the_merged_weights_and_the_a
         want = np.concatenate([feeds[x] @ (SCALE * ab[m][1] @ ab[m][0]).T for m in mods], axis=-1)
         err = np.linalg.norm(diff - want) / np.linalg.norm(want)
         assert err < 0.1, (name, err)
+
+
+def test_a_lora_runs_rejected_merged_int4_says_what_keeps_the_fine_tune(tmp_path):
+    """The benchmark's note when int4 of the merged weights is rejected on a LoRA run names the setting that
+    keeps the adapter apart; none once it is set, for a full fine-tune, or when int4 passed."""
+    from llmpipe.bench.run import lora_hint
+    from llmpipe.config import from_dict
+
+    cfg = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+           "train": {"lora": {"rank": 8}}, "export": {"ort_graph": True}, "consolidate": {"hf_layout": True},
+           "benchmark": {"variants": ["fp32", "int4"]}}
+    assert "benchmark.quantize.int4.adapter: separate" in lora_hint(from_dict(cfg), ["int4"])
+    assert lora_hint(from_dict(cfg), ["int8"]) is None
+    assert lora_hint(from_dict({k: v for k, v in cfg.items() if k != "train"}), ["int4"]) is None
+    separate = {**cfg, "benchmark": {**cfg["benchmark"], "quantize": {"int4": {"adapter": "separate"}}}}
+    assert lora_hint(from_dict(separate), ["int4"]) is None
