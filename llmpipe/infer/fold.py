@@ -42,6 +42,19 @@ def pack4(values: np.ndarray) -> np.ndarray:
     return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
 
 
+def round_blocks(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """blocks [..., block] in 4 bits, round to nearest of each block's range (0 included) with an integer zero
+    point: (q [..., block] uint8, scales [...] fp32, zero points [...] uint8)."""
+    levels = (1 << ZP_BITS) - 1
+    lo = np.minimum(blocks.min(-1), 0.0)
+    hi = np.maximum(blocks.max(-1), 0.0)
+    scale = (hi - lo) / levels
+    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
+    zero = np.clip(np.round(-lo / scale), 0, levels)
+    q = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, levels).astype(np.uint8)
+    return q, scale, zero.astype(np.uint8)
+
+
 def fold_weights(packed: np.ndarray, scales: np.ndarray, zf: np.ndarray, k: int, n: int, block: int):
     """One MatMulNBits weight (4 bits; packed [N, nb, block/2], scales and float zero points [N, nb]) as the
     folded node's (packed [N, nb + ne, block/2], scales [N, nb + ne], uint8 zero points [N, ceil((nb+ne)/2)],
@@ -56,13 +69,7 @@ def fold_weights(packed: np.ndarray, scales: np.ndarray, zf: np.ndarray, k: int,
     ne = -(-nb // block)
     padded = np.zeros((n, ne * block), np.float32)
     padded[:, :nb] = corr
-    blocks = padded.reshape(n, ne, block)
-    lo = np.minimum(blocks.min(-1), 0.0)
-    hi = np.maximum(blocks.max(-1), 0.0)
-    cs = (hi - lo) / levels
-    cs = np.where(cs > 0, cs, 1.0).astype(np.float32)
-    cz = np.clip(np.round(-lo / cs), 0, levels)
-    cq = np.clip(np.round(blocks / cs[..., None]) + cz[..., None], 0, levels).astype(np.uint8)
+    cq, cs, cz = round_blocks(padded.reshape(n, ne, block))
     q_all = np.concatenate([q, cq], axis=1)  # [N, nb + ne, block]
     s_all = np.concatenate([s, cs], axis=1)
     z_all = np.concatenate([zi, cz], axis=1).astype(np.uint8)

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from llmpipe.errors import UserError
-from llmpipe.infer.fold import ZP_BITS, pack4, unpack4
+from llmpipe.infer.fold import ZP_BITS, pack4, round_blocks, unpack4
 
 CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 A_SUFFIX = "_lora_matmul"  # the x A^T MatMuls attach() adds (quantize_weight_only puts them at 8 bits)
@@ -297,16 +297,8 @@ def quantize_rows(rows: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray,
     """rows [R, N] (R whole blocks) in 4 bits per column, blocks of `block` rows, round to nearest of each
     block's range with an integer zero point: (q [N, R/block, block] uint8, scales [N, R/block],
     zero points [N, R/block] uint8)."""
-    levels = (1 << ZP_BITS) - 1
     r, n = rows.shape
-    blocks = rows.T.reshape(n, r // block, block)
-    lo = np.minimum(blocks.min(-1), 0.0)
-    hi = np.maximum(blocks.max(-1), 0.0)
-    scale = (hi - lo) / levels
-    scale = np.where(scale > 0, scale, 1.0).astype(np.float32)
-    zero = np.clip(np.round(-lo / scale), 0, levels)
-    q = np.clip(np.round(blocks / scale[..., None]) + zero[..., None], 0, levels).astype(np.uint8)
-    return q, scale, zero.astype(np.uint8)
+    return round_blocks(rows.T.reshape(n, r // block, block))
 
 
 def _insert_rows(inits: dict, node, rows: np.ndarray, nb: int, block: int) -> None:
