@@ -37,6 +37,7 @@ CONFIG, WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 A_SUFFIX = "_lora_matmul"  # the x A^T MatMuls attach() adds (quantize_weight_only puts them at 8 bits)
 # graph node (the builder's names) -> the Hugging Face modules it computes, in output order
 _PACKED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_HF_WEIGHT = re.compile(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight")  # a projection in hf/
 _NODE = re.compile(r"layers\.(\d+)/(?:attn|self_attn|mlp)/(\w+?_proj)/")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -130,7 +131,7 @@ def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, tupl
     for path in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(path), "np") as f:
             for key in f.keys():
-                m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", key)
+                m = _HF_WEIGHT.fullmatch(key)
                 if m and int(m.group(1)) in layers and m.group(3) in _PARENT:
                     weights[(int(m.group(1)), m.group(3))] = f.get_tensor(key)
     wanted: dict[tuple, tuple[int, tuple[str, ...]]] = {}
@@ -345,7 +346,7 @@ def write_base(hf_dir: Path, adapter: Adapter, out_dir: Path) -> Path:
             metadata = f.metadata()
             for key in f.keys():
                 t = f.get_tensor(key)
-                m = re.fullmatch(r"model\.layers\.(\d+)\.(self_attn|mlp)\.(\w+)\.weight", key)
+                m = _HF_WEIGHT.fullmatch(key)
                 found = adapter.tensors.get((int(m.group(1)), m.group(3))) if m else None
                 if found is not None:
                     a, b = found
