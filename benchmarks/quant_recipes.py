@@ -93,6 +93,11 @@ def recipes() -> list[Recipe]:
         # --adapter: the base (merged minus the adapter's product) at the default int4, the adapter appended as
         # rows of its folded nodes (benchmark.quantize.int4.adapter: separate)
         Recipe("hqq-b32-head8-acc4-fold-lora", "int4", "lora", {}),
+        # GPTQ (onnxruntime's quantiser, its bundled Neural Compressor code): second-order error compensation
+        # from calibration windows of the standard library's sources (never the scored ones), asymmetric integer
+        # zero points (the fast kernel path, no fold needed), the head at 8 bits as above
+        Recipe("gptq-b32-head8-acc4", "int4", "gptq", {"block_size": 32}),
+        Recipe("gptq-b32-head8-acc4-actorder", "int4", "gptq", {"block_size": 32, "actorder": True}),
         Recipe("rtn2-b32", "int4", "rtn2", {"block_size": 32}),
         Recipe("int8w", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "false"}),
         Recipe("int8w-sym", "int8w", "builder", {"precision": "int8", "block_size": 32, "is_symmetric": "true"}),
@@ -104,6 +109,11 @@ def recipes() -> list[Recipe]:
         Recipe("dyn8-channel", "int8", "dyn8", {"per_channel": True}),
         Recipe("dyn8-tensor-nodown-nohead", "int8", "dyn8", {"per_channel": False, "keep": ["down", "head"]}),
         Recipe("dyn8-channel-nodown-nohead", "int8", "dyn8", {"per_channel": True, "keep": ["down", "head"]}),
+        # SmoothQuant scales (alpha 0.5, calibrated on the standard library's sources) before the dynamic int8
+        Recipe("dyn8-channel-smooth", "int8", "dyn8", {"per_channel": True, "smooth": 0.5}),
+        Recipe("dyn8-tensor-smooth", "int8", "dyn8", {"per_channel": False, "smooth": 0.5}),
+        Recipe("dyn8-channel-smooth-nodown-nohead", "int8", "dyn8", {"per_channel": True, "smooth": 0.5,
+                                                                    "keep": ["down", "head"]}),
         Recipe("llama.cpp f16", "fp16", "gguf", {"type": "f16"}),
         Recipe("llama.cpp q8_0", "int8w", "gguf", {"type": "q8_0"}),
         Recipe("llama.cpp q4_0", "int4", "gguf", {"type": "q4_0"}),
@@ -210,10 +220,18 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
                                  zero_points="integer" if r.options.get("fold") else "float")
         else:
             quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", 2, r.options["block_size"], 4, True)
+    elif r.kind == "gptq":
+        del model
+        gptq(fp32, tmp / "model.onnx", r.options, hf)
     elif r.kind == "dyn8":
         from onnxruntime.quantization import QuantType, quantize_dynamic
 
         keep = [n for n, role in _weight_matmuls(model).items() if role in r.options.get("keep", [])]
+        if r.options.get("smooth"):
+            del model
+            smooth(fp32, tmp / "smoothed.onnx", hf, r.options["smooth"])
+            model = onnx.load(str(tmp / "smoothed.onnx"))
+            (tmp / "smoothed.onnx").unlink()
         onnx.save(model, str(tmp / "src.onnx"), save_as_external_data=True, location="src.onnx.data")
         del model
         quantize_dynamic(tmp / "src.onnx", tmp / "model.onnx", weight_type=QuantType.QInt8,
@@ -225,6 +243,138 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out
+
+
+def calibration_feeds(fp32: Path, hf: Path, windows: int = 16, seq: int = 128) -> list[dict[str, np.ndarray]]:
+    """Inputs of `windows` prompt passes of `seq` tokens of calibration text (the standard library's sources, never
+    the scored ones) for the builder's graph in `fp32`: its cache given as an empty buffer of `seq` slots, as
+    llmpipe.infer.fused.FusedEngine binds it."""
+    from llmpipe.infer.fused import GraphConfig
+
+    cfg = GraphConfig.read(fp32)
+    session = create_session(fp32 / "model.onnx", device.ort_providers(["cpu"])[0], 2)
+    names = [i.name for i in session.get_inputs()]
+    del session
+    ids = text_windows(hf / "tokenizer.json", windows, seq, 99, calibration=True)
+    feeds = []
+    for row in ids:
+        feed = {"input_ids": row[None], "attention_mask": np.ones((1, seq), np.int64)}
+        if "position_ids" in names:
+            feed["position_ids"] = np.arange(seq, dtype=np.int64)[None]
+        for n in names:
+            if n.startswith("past_key_values"):
+                feed[n] = np.zeros((1, cfg.kv_heads, seq, cfg.head_dim), np.float32)
+        feeds.append(feed)
+    return feeds
+
+
+def gptq(fp32: Path, dst: Path, options: dict, hf: Path, windows: int = 16, seq: int = 128) -> None:
+    """GPTQ of the fp32 graph's weight MatMuls but the head (4 bits, asymmetric, blocks of options["block_size"],
+    accuracy level 4), then the head at 8 bits (round to nearest, blocks of 32: llmpipe.infer.ort's head pass);
+    calibrated on calibration_feeds."""
+    import onnx
+    from onnxruntime.quantization.neural_compressor import gptq_quantize
+
+    from llmpipe.infer.ort import _nbits, fp32_matmuls
+
+    feeds = calibration_feeds(fp32, hf, windows, seq)
+    head = fp32_matmuls(fp32 / "model.onnx", ["head"])
+    model = onnx.load(str(fp32 / "model.onnx"))
+    # NOTE: called directly, not through MatMulNBitsQuantizer(algo_config=GPTQWeightOnlyQuantConfig): onnxruntime
+    # 1.32's quantiser ignores nodes_to_exclude for GPTQ (the head came out at 4 bits); "fp32" here is how its
+    # GPTQ code is told to leave a node alone
+    config = {n.name: ("fp32" if n.name in head else {"bits": 4, "group_size": options["block_size"],
+                                                       "scheme": "asym", "algorithm": "GPTQ"})
+              for n in model.graph.node if n.op_type == "MatMul"}
+    quantized = gptq_quantize(model, ((feed, None) for feed in feeds), config, num_bits=4,
+                              group_size=options["block_size"], scheme="asym", n_samples=-1, blocksize=128,
+                              actorder=bool(options.get("actorder")), accuracy_level=4)
+    model = quantized.model if hasattr(quantized, "model") else quantized
+    model = _nbits(model, 8, 32, 4, False, "rtn", include=head)
+    onnx.save(model, str(dst), save_as_external_data=False)
+
+
+def smooth(fp32: Path, dst: Path, hf: Path, alpha: float = 0.5, windows: int = 16, seq: int = 128) -> None:
+    """SmoothQuant (Xiao et al. 2023) of the fp32 graph's weight MatMuls, the head's included: per input channel
+    j, s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) (activation maxima from calibration_feeds), x / s and the
+    weight's rows * s, the product unchanged in fp32 and the activation outliers moved into the per-channel
+    weights that dynamic int8 quantises finely. x / s is folded where it is free: into the norm's weight when a
+    (Skip)SimplifiedLayerNormalization feeds only weight MatMuls (q/k/v, gate/up, the head), into the up
+    projection's columns for the down projection (its input is silu(gate) * up); elsewhere (the attention's
+    output into o_proj) a Mul by 1/s is inserted."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    model = onnx.load(str(fp32 / "model.onnx"))
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    producer = {o: n for n in g.node for o in n.output}
+    consumers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+    weight_mm = [n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits]
+    xs = sorted({n.input[0] for n in weight_mm})
+    # the activations' channel maxima
+    aug = onnx.load(str(fp32 / "model.onnx"))
+    aug.graph.output.extend([helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in xs])
+    path = dst.with_name("augmented.onnx")
+    onnx.save(aug, str(path))
+    del aug
+    session = create_session(path, device.ort_providers(["cpu"])[0], 2)
+    amax = {x: 0.0 for x in xs}
+    for feed in calibration_feeds(fp32, hf, windows, seq):
+        for x, v in zip(xs, session.run(xs, feed)):
+            amax[x] = np.maximum(amax[x], np.abs(v).reshape(-1, v.shape[-1]).max(0))
+    del session
+    path.unlink()
+
+    def array(name):
+        return numpy_helper.to_array(inits[name])
+
+    def put(name, value):
+        inits[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
+
+    for x in xs:
+        mms = [n for n in consumers[x] if n in weight_mm]
+        wmax = np.max([np.abs(array(n.input[1])).max(1) for n in mms], axis=0)
+        s = np.clip(amax[x], 1e-5, None) ** alpha / np.clip(wmax, 1e-5, None) ** (1 - alpha)
+        s = np.clip(s, 1e-5, None).astype(np.float32)
+        for n in mms:
+            put(n.input[1], array(n.input[1]) * s[:, None])
+        p = producer.get(x)
+        only_mm = all(n in mms for n in consumers[x])
+        if p is not None and p.op_type.endswith("SimplifiedLayerNormalization") and p.output[0] == x and only_mm:
+            gamma = p.input[2] if p.op_type.startswith("Skip") else p.input[1]
+            put(gamma, array(gamma) / s)
+            continue
+        ups = [producer.get(i) for i in p.input] if p is not None and p.op_type == "Mul" and only_mm else []
+        up = next((u for u in ups if u is not None and u in weight_mm and len(consumers[u.output[0]]) == 1), None)
+        if up is not None:
+            put(up.input[1], array(up.input[1]) / s[None, :])
+            continue
+        name = x.replace("/", "_") + "_smooth"
+        g.initializer.append(numpy_helper.from_array(1 / s, name + "_inv"))
+        g.node.append(helper.make_node("Mul", [x, name + "_inv"], [name], name=name))
+        for n in mms:
+            n.input[0] = name
+    # the inserted Muls are appended: the graph back in topological order
+    order, ready = [], list(g.node)
+    seen = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
+    while ready:
+        rest = []
+        for n in ready:
+            if all(i in seen for i in n.input):
+                order.append(n)
+                seen.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(ready):
+            raise RuntimeError("smooth: the graph has a cycle")
+        ready = rest
+    del g.node[:]
+    g.node.extend(order)
+    onnx.save(model, str(dst))
 
 
 def model_bytes(folder: Path) -> int:

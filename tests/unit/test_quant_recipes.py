@@ -225,3 +225,70 @@ def test_zero_points_defines_the_benchmark_and_float_ones_need_hqq(tmp_path):
     with pytest.raises(ConfigError, match="zero_points"):
         from_dict({**base, "benchmark": {**base["benchmark"],
                                          "quantize": {"int4": {"algorithm": "rtn", "zero_points": "float"}}}})
+
+
+# ------------------------------------------------------------------ calibrated recipes (benchmarks/quant_recipes.py)
+
+
+@pytest.fixture(scope="module")
+def builder_fp32(hf_folder, tmp_path_factory):
+    """benchmarks/quant_recipes.py and the builder's fp32 graph of the debug model (its reference)."""
+    import sys
+
+    from llmpipe.export import fused
+
+    if fused.unavailable_reason():
+        pytest.fail(fused.unavailable_reason())
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import quant_recipes
+
+    work = tmp_path_factory.mktemp("calibrated")
+    fp32 = quant_recipes.build(quant_recipes.Recipe("fp32", "fp32", "builder", {"precision": "fp32"}), hf_folder,
+                               work, None)
+    ids = quant_recipes.text_windows(hf_folder / "tokenizer.json", 3, 24, 1234, calibration=False)
+    return quant_recipes, work, fp32, ids, quant_recipes.OrtRunner(fp32, 2, 40).logits(ids)
+
+
+def test_smoothquant_scales_leave_the_fp32_graph_unchanged_and_its_dynamic_int8_is_scored(builder_fp32, hf_folder):
+    qr, work, fp32, ids, ref = builder_fp32
+    out = work / "smoothed"
+    _config_files(fp32, out)
+    qr.smooth(fp32, out / "model.onnx", hf_folder, 0.5, windows=2, seq=24)
+    graph = onnx.load(str(out / "model.onnx")).graph
+    # x / s went into the norms' weights (q/k/v, gate/up, the head), the up projections (down's input) and one
+    # Mul per layer (o_proj's input, the attention's output)
+    muls = [n for n in graph.node if n.name.endswith("_smooth")]
+    assert len(muls) == 2 and all(n.op_type == "Mul" for n in muls)
+    before = {i.name: onnx.numpy_helper.to_array(i) for i in onnx.load(str(fp32 / "model.onnx")).graph.initializer}
+    changed = [i.name for i in graph.initializer if i.name in before and
+               not np.array_equal(onnx.numpy_helper.to_array(i), before[i.name])]
+    assert any("layernorm" in n for n in changed) and any("up_proj" in n for n in changed), changed
+    # the same function in fp32 (measured max |diff| 1e-5 of logits spanning ~20)
+    got = qr.OrtRunner(out, 2, 40).logits(ids)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max(), np.abs(got - ref).max()
+    folder = qr.build(qr.Recipe("dyn8-channel-smooth", "int8", "dyn8", {"per_channel": True, "smooth": 0.5}),
+                      hf_folder, work, fp32)
+    assert any(n.op_type == "MatMulInteger" for n in onnx.load(str(folder / "model.onnx")).graph.node)
+    m = quality.text_metrics(ids, ref, qr.OrtRunner(folder, 2, 40).logits(ids))
+    assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, m
+
+
+def test_gptq_quantises_the_projections_at_4_bits_keeps_the_head_at_8_and_is_scored(builder_fp32, hf_folder):
+    qr, work, fp32, ids, ref = builder_fp32
+    folder = qr.build(qr.Recipe("gptq-b32-head8-acc4", "int4", "gptq", {"block_size": 32}), hf_folder, work, fp32)
+    graph = onnx.load(str(folder / "model.onnx")).graph
+    widths = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node
+              if n.op_type == "MatMulNBits"}
+    head = [n for n in widths if "lm_head" in n]
+    assert len(head) == 1 and widths[head[0]] == 8, widths
+    assert len(widths) == 1 + 2 * 5 and {w for n, w in widths.items() if n not in head} == {4}  # qkv, o, gate, up, down
+    assert not any(n.op_type == "MatMul" and "proj" in n.name for n in graph.node)
+    m = quality.text_metrics(ids, ref, qr.OrtRunner(folder, 2, 40).logits(ids))
+    assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, m
+
+
+def _config_files(src: Path, dst: Path) -> None:
+    """The graph folder's files but the graph (genai_config.json and the tokenizer)."""
+    import shutil
+
+    shutil.copytree(src, dst, ignore=shutil.ignore_patterns("model.onnx", "model.onnx.data"))
