@@ -18,7 +18,12 @@ the benchmark stage deploys on the CPU:
 - `int8w`: the builder's 8-bit MatMulNBits; `dyn8-<tensor|channel>[-nodown-nohead]`: onnxruntime's dynamic
   int8 (quantize_dynamic, 7-bit weights as the pipeline's int8: llmpipe.infer.ort.quantize_int8) of the fp32
   graph's weight MatMuls, per tensor or per channel, the feed-forward's down projections and the head left in
-  fp32 or not;
+  fp32 or not; `-smooth`: SmoothQuant's per-channel scales (alpha 0.5) moved from the activations into the weights
+  first (`smooth`);
+- `gptq-b32-head8-acc4[-actorder]`: GPTQ (onnxruntime's quantiser, its bundled Neural Compressor code) of the
+  fp32 graph, 4 bits with integer zero points, the head at 8 bits (`gptq`);
+- calibration (GPTQ's Hessians, SmoothQuant's activation maxima): 16 windows of 128 tokens of the files the
+  scoring never reads (`calibration_feeds`);
 - `hqq-b32-head8-acc4-fold-lora` (with --adapter, a LoRA fine-tune's PEFT folder): the default int4 of the
   base the fine-tune came from (HF_FOLDER minus the adapter's product), the adapter kept apart as rows of its
   folded nodes (llmpipe.infer.lora_rows; benchmark.quantize.int4.adapter: separate);
@@ -90,6 +95,12 @@ def recipes() -> list[Recipe]:
         Recipe("hqq-b32-head8-fold", "int4", "hqq", {"block_size": 32, "head8": True, "fold": True}),
         Recipe("hqq-b32-acc4-fold", "int4", "hqq", {"block_size": 32, "acc4": True, "fold": True}),
         Recipe("hqq-b128-head8-acc4", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True}),
+        # activation-aware scales (AWQ's: s = max|x|^a / max|W|^(1-a) per input channel, here a = 0.5 and 0.25 with
+        # no per-layer search; folded into the norms as SmoothQuant's) before the default int4
+        Recipe("awq0.5-hqq-b32-head8-acc4-fold", "int4", "hqq", {"block_size": 32, "head8": True, "acc4": True,
+                                                                 "fold": True, "smooth": 0.5}),
+        Recipe("awq0.25-hqq-b32-head8-acc4-fold", "int4", "hqq", {"block_size": 32, "head8": True, "acc4": True,
+                                                                  "fold": True, "smooth": 0.25}),
         # --adapter: the base (merged minus the adapter's product) at the default int4, the adapter appended as
         # rows of its folded nodes (benchmark.quantize.int4.adapter: separate)
         Recipe("hqq-b32-head8-acc4-fold-lora", "int4", "lora", {}),
@@ -214,12 +225,18 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
         from llmpipe.infer.ort import quantize_weight_only
 
         del model
+        src = fp32 / "model.onnx"
+        if r.options.get("smooth"):  # activation-aware scales first (AWQ's idea, one alpha, no search)
+            src = tmp / "scaled.onnx"
+            smooth(fp32, src, hf, r.options["smooth"])
         if r.kind == "hqq":
-            quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", 4, r.options["block_size"],
+            quantize_weight_only(src, tmp / "model.onnx", 4, r.options["block_size"],
                                  4 if r.options.get("acc4") else 0, False, "hqq", 8 if r.options.get("head8") else None,
                                  zero_points="integer" if r.options.get("fold") else "float")
         else:
             quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", 2, r.options["block_size"], 4, True)
+        if src != fp32 / "model.onnx":
+            src.unlink()
     elif r.kind == "gptq":
         del model
         gptq(fp32, tmp / "model.onnx", r.options, hf)
@@ -341,7 +358,13 @@ def smooth(fp32: Path, dst: Path, hf: Path, alpha: float = 0.5, windows: int = 1
         s = np.clip(amax[x], 1e-5, None) ** alpha / np.clip(wmax, 1e-5, None) ** (1 - alpha)
         s = np.clip(s, 1e-5, None).astype(np.float32)
         for n in mms:
-            put(n.input[1], array(n.input[1]) * s[:, None])
+            scaled = array(n.input[1]) * s[:, None]
+            if any(c is not n for c in consumers[n.input[1]]):  # shared (a tied head's embedding): its own copy
+                g.initializer.append(numpy_helper.from_array(scaled, n.input[1] + "_smoothed"))
+                inits[n.input[1] + "_smoothed"] = g.initializer[-1]
+                n.input[1] += "_smoothed"
+            else:
+                put(n.input[1], scaled)
         p = producer.get(x)
         only_mm = all(n in mms for n in consumers[x])
         if p is not None and p.op_type.endswith("SimplifiedLayerNormalization") and p.output[0] == x and only_mm:

@@ -231,8 +231,24 @@ def test_zero_points_defines_the_benchmark_and_float_ones_need_hqq(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def builder_fp32(hf_folder, tmp_path_factory):
-    """benchmarks/quant_recipes.py and the builder's fp32 graph of the debug model (its reference)."""
+def tied_hf(tmp_path_factory):
+    """The debug model with its head tied to the embedding (as SmolLM2's), as a Hugging Face folder."""
+    import dataclasses
+
+    from llmpipe.data.tokenizer import train_tokenizer
+    from llmpipe.export.fused import write_hf_folder
+
+    model = Transformer(dataclasses.replace(FLAVORS["debug"], tie_embeddings=True))
+    model.init_weights(seed=0)
+    model.eval()
+    text = ["def main(argv):\n    return len(argv) + 1\n" * 5, "import os\nprint(os.getcwd())\n" * 5]
+    tok = train_tokenizer(text, vocab_size=model.args.vocab_size)
+    return write_hf_folder(model, tmp_path_factory.mktemp("tied") / "hf", tok)
+
+
+@pytest.fixture(scope="module")
+def builder_fp32(tied_hf, tmp_path_factory):
+    """benchmarks/quant_recipes.py and the builder's fp32 graph of the tied debug model (its reference)."""
     import sys
 
     from llmpipe.export import fused
@@ -242,6 +258,7 @@ def builder_fp32(hf_folder, tmp_path_factory):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     import quant_recipes
 
+    hf_folder = tied_hf
     work = tmp_path_factory.mktemp("calibrated")
     fp32 = quant_recipes.build(quant_recipes.Recipe("fp32", "fp32", "builder", {"precision": "fp32"}), hf_folder,
                                work, None)
@@ -249,8 +266,9 @@ def builder_fp32(hf_folder, tmp_path_factory):
     return quant_recipes, work, fp32, ids, quant_recipes.OrtRunner(fp32, 2, 40).logits(ids)
 
 
-def test_smoothquant_scales_leave_the_fp32_graph_unchanged_and_its_dynamic_int8_is_scored(builder_fp32, hf_folder):
+def test_smoothquant_scales_leave_the_fp32_graph_unchanged_and_its_dynamic_int8_is_scored(builder_fp32, tied_hf):
     qr, work, fp32, ids, ref = builder_fp32
+    hf_folder = tied_hf
     out = work / "smoothed"
     _config_files(fp32, out)
     qr.smooth(fp32, out / "model.onnx", hf_folder, 0.5, windows=2, seq=24)
@@ -263,6 +281,9 @@ def test_smoothquant_scales_leave_the_fp32_graph_unchanged_and_its_dynamic_int8_
     changed = [i.name for i in graph.initializer if i.name in before and
                not np.array_equal(onnx.numpy_helper.to_array(i), before[i.name])]
     assert any("layernorm" in n for n in changed) and any("up_proj" in n for n in changed), changed
+    # the tied head's weight is also the embedding's table (a Transpose reads it): the head gets a scaled copy
+    head = next(n for n in graph.node if n.op_type == "MatMul" and "lm_head" in n.name)
+    assert head.input[1].endswith("_smoothed") and not any("lm_head" in n for n in changed), head.input
     # the same function in fp32 (measured max |diff| 1e-5 of logits spanning ~20)
     got = qr.OrtRunner(out, 2, 40).logits(ids)
     assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max(), np.abs(got - ref).max()
@@ -273,8 +294,9 @@ def test_smoothquant_scales_leave_the_fp32_graph_unchanged_and_its_dynamic_int8_
     assert all(np.isfinite(m[k]) for k in ("ppl", "kl", "top1")) and m["kl"] > 0, m
 
 
-def test_gptq_quantises_the_projections_at_4_bits_keeps_the_head_at_8_and_is_scored(builder_fp32, hf_folder):
+def test_gptq_quantises_the_projections_at_4_bits_keeps_the_head_at_8_and_is_scored(builder_fp32, tied_hf):
     qr, work, fp32, ids, ref = builder_fp32
+    hf_folder = tied_hf
     folder = qr.build(qr.Recipe("gptq-b32-head8-acc4", "int4", "gptq", {"block_size": 32}), hf_folder, work, fp32)
     graph = onnx.load(str(folder / "model.onnx")).graph
     widths = {n.name: next(a.i for a in n.attribute if a.name == "bits") for n in graph.node
