@@ -312,92 +312,12 @@ def gptq(fp32: Path, dst: Path, options: dict, hf: Path, windows: int = 16, seq:
 
 
 def smooth(fp32: Path, dst: Path, hf: Path, alpha: float = 0.5, windows: int = 16, seq: int = 128) -> None:
-    """SmoothQuant (Xiao et al. 2023) of the fp32 graph's weight MatMuls, the head's included: per input channel
-    j, s_j = max|x_j|^alpha / max|W_j|^(1 - alpha) (activation maxima from calibration_feeds), x / s and the
-    weight's rows * s, the product unchanged in fp32 and the activation outliers moved into the per-channel
-    weights that dynamic int8 quantises finely. x / s is folded where it is free: into the norm's weight when a
-    (Skip)SimplifiedLayerNormalization feeds only weight MatMuls (q/k/v, gate/up, the head), into the up
-    projection's columns for the down projection (its input is silu(gate) * up); elsewhere (the attention's
-    output into o_proj) a Mul by 1/s is inserted."""
-    import onnx
-    from onnx import helper, numpy_helper
+    """SmoothQuant's scales (llmpipe.infer.smooth, what benchmark.quantize.smooth_alpha runs) of the fp32 graph's
+    weight MatMuls, the head's included, calibrated on calibration_feeds."""
+    from llmpipe.infer.ort import FeedsReader
+    from llmpipe.infer.smooth import smooth_file
 
-    model = onnx.load(str(fp32 / "model.onnx"))
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producer = {o: n for n in g.node for o in n.output}
-    consumers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            consumers.setdefault(i, []).append(n)
-    weight_mm = [n for n in g.node if n.op_type == "MatMul" and n.input[1] in inits]
-    xs = sorted({n.input[0] for n in weight_mm})
-    # the activations' channel maxima
-    aug = onnx.load(str(fp32 / "model.onnx"))
-    aug.graph.output.extend([helper.make_tensor_value_info(x, onnx.TensorProto.FLOAT, None) for x in xs])
-    path = dst.with_name("augmented.onnx")
-    onnx.save(aug, str(path))
-    del aug
-    session = create_session(path, device.ort_providers(["cpu"])[0], 2)
-    amax = {x: 0.0 for x in xs}
-    for feed in calibration_feeds(fp32, hf, windows, seq):
-        for x, v in zip(xs, session.run(xs, feed)):
-            amax[x] = np.maximum(amax[x], np.abs(v).reshape(-1, v.shape[-1]).max(0))
-    del session
-    path.unlink()
-
-    def array(name):
-        return numpy_helper.to_array(inits[name])
-
-    def put(name, value):
-        inits[name].CopyFrom(numpy_helper.from_array(value.astype(np.float32), name))
-
-    for x in xs:
-        mms = [n for n in consumers[x] if n in weight_mm]
-        wmax = np.max([np.abs(array(n.input[1])).max(1) for n in mms], axis=0)
-        s = np.clip(amax[x], 1e-5, None) ** alpha / np.clip(wmax, 1e-5, None) ** (1 - alpha)
-        s = np.clip(s, 1e-5, None).astype(np.float32)
-        for n in mms:
-            scaled = array(n.input[1]) * s[:, None]
-            if any(c is not n for c in consumers[n.input[1]]):  # shared (a tied head's embedding): its own copy
-                g.initializer.append(numpy_helper.from_array(scaled, n.input[1] + "_smoothed"))
-                inits[n.input[1] + "_smoothed"] = g.initializer[-1]
-                n.input[1] += "_smoothed"
-            else:
-                put(n.input[1], scaled)
-        p = producer.get(x)
-        only_mm = all(n in mms for n in consumers[x])
-        if p is not None and p.op_type.endswith("SimplifiedLayerNormalization") and p.output[0] == x and only_mm:
-            gamma = p.input[2] if p.op_type.startswith("Skip") else p.input[1]
-            put(gamma, array(gamma) / s)
-            continue
-        ups = [producer.get(i) for i in p.input] if p is not None and p.op_type == "Mul" and only_mm else []
-        up = next((u for u in ups if u is not None and u in weight_mm and len(consumers[u.output[0]]) == 1), None)
-        if up is not None:
-            put(up.input[1], array(up.input[1]) / s[None, :])
-            continue
-        name = x.replace("/", "_") + "_smooth"
-        g.initializer.append(numpy_helper.from_array(1 / s, name + "_inv"))
-        g.node.append(helper.make_node("Mul", [x, name + "_inv"], [name], name=name))
-        for n in mms:
-            n.input[0] = name
-    # the inserted Muls are appended: the graph back in topological order
-    order, ready = [], list(g.node)
-    seen = {i.name for i in g.input} | {i.name for i in g.initializer} | {""}
-    while ready:
-        rest = []
-        for n in ready:
-            if all(i in seen for i in n.input):
-                order.append(n)
-                seen.update(n.output)
-            else:
-                rest.append(n)
-        if len(rest) == len(ready):
-            raise RuntimeError("smooth: the graph has a cycle")
-        ready = rest
-    del g.node[:]
-    g.node.extend(order)
-    onnx.save(model, str(dst))
+    smooth_file(fp32 / "model.onnx", dst, FeedsReader(calibration_feeds(fp32, hf, windows, seq)), alpha)
 
 
 def model_bytes(folder: Path) -> int:

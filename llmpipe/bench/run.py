@@ -391,12 +391,13 @@ def om_models(ctx: StageContext) -> tuple[Any, str | None]:
 
 
 def calibration_windows(ctx: StageContext, max_seq_len: int) -> np.ndarray | None:
-    """int8s's calibration windows of validation text (None when int8s is not requested); a sample
-    larger than the validation shard holds is a StageError naming the field, before any variant is made."""
+    """The calibration windows of validation text of int8s, and of int8 with SmoothQuant's scales
+    (benchmark.quantize.smooth_alpha); None when neither is requested. A sample larger than the validation shard
+    holds is a StageError naming the field, before any variant is made."""
     from llmpipe.bench import calibrate
 
     cfg = ctx.cfg.benchmark
-    if "int8s" not in cfg.variants:
+    if "int8s" not in cfg.variants and not ("int8" in cfg.variants and cfg.quantize.smooth_alpha is not None):
         return None
     q = cfg.quantize
     T = min(q.calibration_seq_len or cfg.quality.seq_len or ctx.cfg.data.seq_len, max_seq_len)

@@ -275,7 +275,8 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
     included (it is the accuracy reference). A failed conversion is recorded, not raised.
 
     `quantize`: benchmark.quantize (llmpipe.config.QuantizeSection: the int4 / int8w / int8s settings).
-    `calibration`: for int8s, a callable returning the CalibrationDataReader of this graph. `lora`: a LoRA
+    `calibration`: for int8s (and int8 with benchmark.quantize.smooth_alpha), a callable returning a fresh
+    CalibrationDataReader of this graph. `lora`: a LoRA
     run's (consolidate's hf/, adapter/), for a weight-only variant whose adapter is kept separate
     (benchmark.quantize.<v>.adapter)."""
 
@@ -296,16 +297,43 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
                                         section.zero_points, adapter, merged)
         return make
 
+    def smoothed(variant, src, dst, keep):
+        """`src` with SmoothQuant's scales (benchmark.quantize.smooth_alpha) beside `dst`, or `src` itself."""
+        if quantize is None or quantize.smooth_alpha is None:
+            return src
+        if calibration is None:
+            raise ValueError(f"{variant}: benchmark.quantize.smooth_alpha needs calibration data (validation text), "
+                             "none was given")
+        from llmpipe.infer.smooth import smooth_file
+
+        out = dst.with_name(dst.stem + ".smoothed.onnx")
+        n = smooth_file(src, out, calibration(), quantize.smooth_alpha, fp32_matmuls(src, keep))
+        log.info("variant %s: SmoothQuant scales (alpha %s) on %d MatMul inputs", variant, quantize.smooth_alpha, n)
+        return out
+
+    def without(path: Path, src: Path) -> None:
+        if path != src:
+            for f in model_files(path):
+                f.unlink(missing_ok=True)
+
     def static(src, dst):
         if calibration is None or quantize is None:
             raise ValueError("int8s needs calibration data (validation text), none was given")
-        return quantize_static_int8(src, dst, calibration(), quantize.static_format,
-                                    quantize.static_keep_fp32)
+        scaled = smoothed("int8s", src, dst, quantize.static_keep_fp32)
+        try:
+            return quantize_static_int8(scaled, dst, calibration(), quantize.static_format,
+                                        quantize.static_keep_fp32)
+        finally:
+            without(scaled, src)
 
     def dynamic(src, dst):
         if quantize is None:
             return quantize_int8(src, dst)
-        return quantize_int8(src, dst, quantize.dynamic_per_channel, quantize.dynamic_keep_fp32)
+        scaled = smoothed("int8", src, dst, quantize.dynamic_keep_fp32)
+        try:
+            return quantize_int8(scaled, dst, quantize.dynamic_per_channel, quantize.dynamic_keep_fp32)
+        finally:
+            without(scaled, src)
 
     makers = {"fp16": convert_fp16, "int8": dynamic, "int4": weight_only("int4"),
               "int8w": weight_only("int8w"), "int8s": static}
