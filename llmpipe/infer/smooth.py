@@ -67,8 +67,6 @@ def activation_maxima(path: Path, model, reader, skip: Sequence[str] = (), work:
     import onnx
     import onnxruntime as ort
 
-    from llmpipe.infer.ort import session_options
-
     xs = scaled_inputs(model, skip)
     if not xs:
         raise ValueError(f"{Path(path).name}: no MatMul with a constant weight to scale")
@@ -83,7 +81,9 @@ def activation_maxima(path: Path, model, reader, skip: Sequence[str] = (), work:
     try:
         save_model(aug, tmp, _external(path))
         del aug
-        session = ort.InferenceSession(str(tmp), session_options(None), providers=["CPUExecutionProvider"])
+        opts = ort.SessionOptions()  # not llmpipe.infer.ort's: that module imports this one
+        opts.log_severity_level = 3
+        session = ort.InferenceSession(str(tmp), opts, providers=["CPUExecutionProvider"])
         maxima: dict[str, np.ndarray] = {}
         feeds = 0
         while (feed := reader.get_next()) is not None:
