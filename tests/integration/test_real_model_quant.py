@@ -126,3 +126,20 @@ def test_a_fine_tune_below_a_4bit_step_holds_at_int4_only_with_its_adapter_separ
     m_merged = _metrics(_variant(root, fp32, "ft_merged", QuantizeSection().int4), ids, ref)
     assert not quality.judge({"int4": m_merged}, gates)[0].passed, m_merged
     assert m_merged["kl"] > 5 * m["kl"], (m_merged, m)
+
+
+def test_decode_profile_counts_each_layer_op(smollm2_graphs, tmp_path):
+    """benchmarks/decode_profile.py on the real model's fp32 graph: one GroupQueryAttention per layer and
+    per step (the prompt's pass left out), a time for every op type, and its profiler trace not left behind."""
+    import decode_profile
+
+    _, fp32, _, _ = smollm2_graphs
+    out = tmp_path / "profile.json"
+    decode_profile.main([str(fp32), "--threads", "1", "--prompt", "16", "--new", "6", "--repeats", "1",
+                         "--json", str(out)])
+    result = __import__("json").loads(out.read_text())
+    ops = {row["op"]: row for row in result["ops"]}
+    assert ops["GroupQueryAttention"]["nodes"] == 30  # SmolLM2-135M's layers
+    assert all(row["us_per_step"] > 0 for row in result["ops"])
+    assert result["tok_s"][0] > 0
+    assert not list(fp32.glob("decode_profile*.json"))
