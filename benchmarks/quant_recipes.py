@@ -27,8 +27,12 @@ the benchmark stage deploys on the CPU:
 - `hqq-b32-head8-acc4-fold-lora` (with --adapter, a LoRA fine-tune's PEFT folder): the default int4 of the
   base the fine-tune came from (HF_FOLDER minus the adapter's product), the adapter kept apart as rows of its
   folded nodes (llmpipe.infer.lora_rows; benchmark.quantize.int4.adapter: separate);
-- `llama.cpp <type>`: llmpipe.export.gguf's file of the same folder (f16, q8_0, q4_0) in llama-cpp-python,
-  when it is installed.
+- `llama.cpp <type>`: llmpipe.export.gguf's file of the same folder (f16, q8_0, q4_0, q4_1) with llama.cpp's
+  reference quantisers, in llama-cpp-python, when it is installed; `llama.cpp q4_k_m`: llama.cpp's own
+  llama-quantize (llama_cpp.llama_model_quantize) of the f16 file, its recommended 4-bit mix;
+- `llmpipe q4_1-hqq`: export.gguf's q4_1 (HQQ in blocks of 32, embedding and head at q8_0: benchmark.quantize.int4's
+  recipe written for llama.cpp's Q4_1 kernels) in llama-cpp-python. It is llmpipe's variant on llama.cpp's
+  kernels: `peers` counts it on llmpipe's side and says so apart from the onnxruntime graphs.
 
 Quality: perplexity, its increase, KL(fp32 || recipe) and top-1 agreement with fp32 on --samples windows of
 --seq tokens of text (the Python standard library's sources, files not used for calibration), the prompt pass
@@ -68,6 +72,11 @@ class Recipe:
     variant: str  # the benchmark variant whose default gate judges it
     kind: str  # builder | hqq | rtn2 | dyn8 | gguf
     options: dict = field(default_factory=dict)
+
+    @property
+    def side(self) -> str:
+        """Whose quantisation it is: llmpipe's (its graphs, and its HQQ file for llama.cpp) or llama.cpp's."""
+        return "llama.cpp" if self.kind == "gguf" and self.options.get("method", "rtn") == "rtn" else "llmpipe"
 
 
 def recipes() -> list[Recipe]:
@@ -128,6 +137,9 @@ def recipes() -> list[Recipe]:
         Recipe("llama.cpp f16", "fp16", "gguf", {"type": "f16"}),
         Recipe("llama.cpp q8_0", "int8w", "gguf", {"type": "q8_0"}),
         Recipe("llama.cpp q4_0", "int4", "gguf", {"type": "q4_0"}),
+        Recipe("llama.cpp q4_1", "int4", "gguf", {"type": "q4_1", "method": "rtn"}),
+        Recipe("llama.cpp q4_k_m", "int4", "gguf", {"type": "q4_k_m"}),
+        Recipe("llmpipe q4_1-hqq", "int4", "gguf", {"type": "q4_1", "method": "hqq"}),
     ]
 
 
@@ -213,7 +225,11 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
         from llmpipe.export import gguf
 
         out.mkdir(parents=True, exist_ok=True)
-        gguf.write(hf, out / "model.gguf", r.options["type"])
+        if r.options["type"] == "q4_k_m":  # llama.cpp's own quantiser, from the f16 file
+            f16 = build(next(x for x in recipes() if x.name == "llama.cpp f16"), hf, work, fp32)
+            llama_quantize(f16 / "model.gguf", out / "model.gguf", "Q4_K_M")
+        else:
+            gguf.write(hf, out / "model.gguf", r.options["type"], method=r.options.get("method"))
         return out
     import onnx
 
@@ -374,6 +390,19 @@ class LlamaCppRunner:
         return (new - 1) / (time.perf_counter() - t0)
 
 
+def llama_quantize(src: Path, out: Path, ftype: str) -> None:
+    """llama.cpp's llama-quantize (through llama-cpp-python) of the GGUF `src` to `ftype` (LLAMA_FTYPE_MOSTLY_*)."""
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = 2
+    tmp = out.with_name(out.name + ".partial")
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(tmp).encode(), params) != 0:
+        raise SystemExit(f"llama_model_quantize {src} -> {ftype} failed")
+    tmp.rename(out)
+
+
 def runner(r: Recipe, folder: Path, threads: int, cache: int, for_quality: bool = False):
     if r.kind == "gguf":
         return LlamaCppRunner(folder, threads, cache, logits_all=for_quality)
@@ -439,14 +468,15 @@ def main(argv=None) -> None:
     ref = None if a.no_quality else runner(chosen[0], folders["fp32"], 2, cache, True).logits(ids)
     for r in chosen:
         if a.no_quality:  # speed only (an earlier --json has the quality of the same graphs)
-            rows[r.name] = {"variant": r.variant, "kind": r.kind, "bytes": model_bytes(folders[r.name]), "decode": {}}
+            rows[r.name] = {"variant": r.variant, "kind": r.kind, "side": r.side, "bytes": model_bytes(folders[r.name]),
+                            "decode": {}}
             continue
         t0 = time.perf_counter()
         cand = ref if r.name == "fp32" else runner(r, folders[r.name], 2, cache, True).logits(ids)
         m = quality.text_metrics(ids, ref, cand)
         del cand
         gc.collect()
-        rows[r.name] = {"variant": r.variant, "kind": r.kind, "bytes": model_bytes(folders[r.name]),
+        rows[r.name] = {"variant": r.variant, "kind": r.kind, "side": r.side, "bytes": model_bytes(folders[r.name]),
                         "ppl": m["ppl"], "ppl_increase": m["ppl_increase"], "kl": m["kl"], "top1": m["top1"],
                         "gate": gate_verdict(r.variant, m), "decode": {}}
         print(f"{r.name}: ppl {m['ppl']:.3f} ({100 * m['ppl_increase']:+.2f}%) KL {m['kl']:.4f} top-1 "
@@ -488,21 +518,35 @@ def main(argv=None) -> None:
         a.json.write_text(json.dumps(result, indent=1))
 
 
+def _side(name: str, row: dict) -> str:
+    """A row's side (rows of an older --json have none: every gguf row there was llama.cpp's quantiser)."""
+    return row.get("side") or ("llama.cpp" if row["kind"] == "gguf" else "llmpipe")
+
+
 def peers(result: dict) -> dict[str, dict]:
-    """Per threads x batch measured: the fastest llmpipe graph and the fastest llama.cpp file that pass their
-    default gates, and the ratio of their decode speeds (what issue 37 asks to be >= 1.3 at batch 1)."""
+    """Per threads x batch measured: the fastest llmpipe variant and the fastest llama.cpp quantisation that pass
+    their default gates, and the ratio of their decode speeds (what issue 37 asks to be >= 1.3 at batch 1).
+    Keys `t<threads>b<batch>` compare onnxruntime graphs only; `t<threads>b<batch>+gguf` count llmpipe's own
+    files for llama.cpp (its HQQ q4_1) on llmpipe's side too, when one was measured."""
     out = {}
-    keys = sorted({k for r in result["rows"].values() for k in r["decode"]})
+    rows = result["rows"]
+    keys = sorted({k for r in rows.values() for k in r["decode"]})
     for key in keys:
-        best = {}
-        for side, kinds in (("llmpipe", lambda k: k != "gguf"), ("llama.cpp", lambda k: k == "gguf")):
-            cands = [(r["decode"][key]["median"], name) for name, r in result["rows"].items()
-                     if kinds(r["kind"]) and r.get("gate") == "pass" and name != "fp32" and key in r["decode"]]
-            best[side] = max(cands) if cands else None
-        if best["llmpipe"] and best["llama.cpp"]:
-            out[key] = {"llmpipe": best["llmpipe"][1], "llmpipe_tok_s": best["llmpipe"][0],
-                        "llama.cpp": best["llama.cpp"][1], "llama.cpp_tok_s": best["llama.cpp"][0],
-                        "ratio": best["llmpipe"][0] / best["llama.cpp"][0]}
+        def fastest(pick, key=key):
+            cands = [(r["decode"][key]["median"], name) for name, r in rows.items()
+                     if pick(name, r) and r.get("gate") == "pass" and name != "fp32" and key in r["decode"]]
+            return max(cands) if cands else None
+
+        theirs = fastest(lambda n, r: _side(n, r) == "llama.cpp")
+        for suffix, pick in (("", lambda n, r: r["kind"] != "gguf"),
+                             ("+gguf", lambda n, r: _side(n, r) == "llmpipe")):
+            ours = fastest(pick)
+            if suffix and not any(_side(n, r) == "llmpipe" and r["kind"] == "gguf" and key in r["decode"]
+                                  for n, r in rows.items()):
+                continue
+            if ours and theirs:
+                out[key + suffix] = {"llmpipe": ours[1], "llmpipe_tok_s": ours[0], "llama.cpp": theirs[1],
+                                     "llama.cpp_tok_s": theirs[0], "ratio": ours[0] / theirs[0]}
     return out
 
 
@@ -510,7 +554,9 @@ def peers_table(result: dict) -> str:
     lines = ["| threads, batch | fastest passing llmpipe | tok/s | fastest passing llama.cpp | tok/s | ratio |",
              "|---|---|--:|---|--:|--:|"]
     for key, p in result.get("peers", {}).items():
-        lines.append(f"| {key[1]} thr, b{key[3:]} | {p['llmpipe']} | {p['llmpipe_tok_s']:.1f} | {p['llama.cpp']} | "
+        base, _, extra = key.partition("+")
+        label = f"{base[1]} thr, b{base[3:]}" + (" (llmpipe's GGUF counted)" if extra else "")
+        lines.append(f"| {label} | {p['llmpipe']} | {p['llmpipe_tok_s']:.1f} | {p['llama.cpp']} | "
                      f"{p['llama.cpp_tok_s']:.1f} | {p['ratio']:.2f}x |")
     return "\n".join(lines)
 

@@ -587,11 +587,14 @@ class ExportSection(Section):
                           "(onnxruntime-genai's model builder on consolidate's hf/: attention fused over the filled "
                           "cache only, fused norms and rotary embedding), which generate and the benchmark then run "
                           "for fp32 on the CPU. Needs consolidate.hf_layout and the onnxruntime-genai package.")
-    gguf: list[Literal["f16", "q8_0", "q4_0"]] = Res([], added=True, description="Also write gguf/model-<type>"
-                                                     ".gguf of consolidate's hf/ for llama.cpp and Ollama: f16, "
-                                                     "q8_0, q4_0 (head and embedding at q8_0); the benchmark gates "
-                                                     "each as gguf_<type> when llama-cpp-python is installed. Needs "
-                                                     "consolidate.hf_layout.")
+    gguf: list[Literal["f16", "q8_0", "q4_0", "q4_1"]] = Res([], added=True, description="Also write gguf/model-"
+                                                             "<type>.gguf of consolidate's hf/ for llama.cpp and "
+                                                             "Ollama: f16, q8_0, q4_0 (llama.cpp's quantisers), "
+                                                             "q4_1 (HQQ in blocks of 32, what holds at 4 bits); "
+                                                             "4-bit files keep head and embedding at q8_0. The "
+                                                             "benchmark gates each as gguf_<type> when "
+                                                             "llama-cpp-python is installed. Needs "
+                                                             "consolidate.hf_layout.")
 
     @model_validator(mode="after")
     def _opset(self) -> ExportSection:
@@ -667,11 +670,12 @@ Fp32Gate, Fp16Gate, Int8Gate, OmGate = (_gate("fp32", 0.001, 0.995), _gate("fp16
 Int4Gate, Int8wGate, Int8sGate = (_gate("int4", 0.10, 0.85, 0.10), _gate("int8w", 0.02, 0.95, 0.02),
                                   _gate("int8s", 0.02, 0.95, 0.02))
 # llama.cpp's files of the same weights (export.gguf) are held to the limits of the onnxruntime variant of
-# the same width: f16 as fp16, q8_0 as int8w, q4_0 as int4.
-GgufF16Gate, GgufQ80Gate, GgufQ40Gate = (
+# the same width: f16 as fp16, q8_0 as int8w, q4_0 and q4_1 as int4.
+GgufF16Gate, GgufQ80Gate, GgufQ40Gate, GgufQ41Gate = (
     _gate("gguf_f16", Fp16Gate().max_ppl_increase, Fp16Gate().min_top1, Fp16Gate().max_kl),
     _gate("gguf_q8_0", Int8wGate().max_ppl_increase, Int8wGate().min_top1, Int8wGate().max_kl),
-    _gate("gguf_q4_0", Int4Gate().max_ppl_increase, Int4Gate().min_top1, Int4Gate().max_kl))
+    _gate("gguf_q4_0", Int4Gate().max_ppl_increase, Int4Gate().min_top1, Int4Gate().max_kl),
+    _gate("gguf_q4_1", Int4Gate().max_ppl_increase, Int4Gate().min_top1, Int4Gate().max_kl))
 
 
 class QualitySection(Section):
@@ -697,6 +701,8 @@ class QualitySection(Section):
                                  description="Limits for export.gguf's q8_0 file in llama.cpp.")
     gguf_q4_0: GgufQ40Gate = Res(default_factory=GgufQ40Gate, added=True,
                                  description="Limits for export.gguf's q4_0 file in llama.cpp.")
+    gguf_q4_1: GgufQ41Gate = Res(default_factory=GgufQ41Gate, added=True,
+                                 description="Limits for export.gguf's q4_1 file (HQQ) in llama.cpp.")
 
 
 class WeightOnlySection(Section):

@@ -1,7 +1,7 @@
 """The benchmark's GGUF variants: export_onnx's gguf/ files (export.gguf) run by llama.cpp and judged by the
 same gates as the onnxruntime variants.
 
-Each file becomes a variant gguf_<type> (gguf_f16, gguf_q8_0, gguf_q4_0) with a gate of its own in
+Each file becomes a variant gguf_<type> (gguf_f16, gguf_q8_0, gguf_q4_0, gguf_q4_1) with a gate of its own in
 benchmark.quality. When llama-cpp-python (the optional extra `llamacpp`) is importable, the variant is
 scored like the others (perplexity, KL and top-1 against torch fp32 on the same validation windows, its
 prompt pass with every position's logits) and its decode tokens/s measured at batch 1 (benchmark.llm's

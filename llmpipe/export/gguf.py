@@ -6,11 +6,17 @@ BPE tokenizer (tokens, their types, merges, special ids, the chat template) and 
 names. The query and key projections are permuted as llama.cpp's convert_hf_to_gguf.py does (llama.cpp's
 rotary embedding pairs neighbouring dimensions, Hugging Face's pairs the two halves).
 
-Types (`QUANT_TYPES`): f16 (every matrix in half precision), q8_0 (blocks of 32 int8 and one fp16 scale) and
-q4_0 (blocks of 32 4-bit and one scale; the token embedding and the output head at q8_0, as llama.cpp's own
-4-bit files keep the most sensitive matrices wider). The norms stay f32 in every type, and a matrix whose rows
-are not whole blocks of 32 stays f16 (as llama.cpp's own converter does). The quantisation is
-gguf.quants' numpy port of llama.cpp's reference quantisers.
+Types (`QUANT_TYPES`): f16 (every matrix in half precision), q8_0 (blocks of 32 int8 and one fp16 scale),
+q4_0 (blocks of 32 4-bit and one scale) and q4_1 (blocks of 32 4-bit, a scale and a minimum); in both 4-bit
+types the token embedding and the output head stay at q8_0, as llama.cpp's own 4-bit files keep the most
+sensitive matrices wider. The norms stay f32 in every type, and a matrix whose rows are not whole blocks of 32
+stays f16 (as llama.cpp's own converter does).
+
+How the blocks are chosen (`method`): "rtn" is gguf.quants' numpy port of llama.cpp's reference quantisers
+(what llama.cpp's own converter and llama-quantize write without an importance matrix); "hqq" (q4_1 only, its
+default) is onnxruntime's half-quadratic quantiser, the recipe that holds on a real model
+(docs/measurements/quantisation.md): its scale and float zero point per block are exactly Q4_1's
+`d * q + m` (d = scale, m = -zero * scale), so llama.cpp's own Q4_1 kernels run HQQ's weights unchanged.
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ import numpy as np
 
 from llmpipe.errors import StageError
 
-QUANT_TYPES = ("f16", "q8_0", "q4_0")
+QUANT_TYPES = ("f16", "q8_0", "q4_0", "q4_1")
+METHODS = ("rtn", "hqq")
 # HF name (layer index stripped) -> llama.cpp name
 _LAYER = {
     "self_attn.q_proj.weight": "attn_q.weight", "self_attn.k_proj.weight": "attn_k.weight",
@@ -34,7 +41,7 @@ _LAYER = {
 }
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
-_WIDE = ("token_embd.weight", "output.weight")  # kept at q8_0 in a q4_0 file
+_WIDE = ("token_embd.weight", "output.weight")  # kept at q8_0 in a 4-bit file
 
 
 def gguf_name(hf_name: str) -> str:
@@ -52,7 +59,32 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _tensor_type(name: str, array: np.ndarray, qtype: str):
+def q4_1_hqq(array: np.ndarray) -> np.ndarray:
+    """Q4_1 blocks (fp16 d, fp16 m, 16 bytes of nibbles; llama.cpp's block_q4_1) of a [rows, K] matrix, K a
+    multiple of 32, with the scale and float zero point of onnxruntime's HQQ quantiser in blocks of 32 along K:
+    HQQ's `(q - z) * s` is Q4_1's `d * q + m` with d = s, m = -z * s. Same byte shape as gguf.quants.quantize."""
+    import torch
+    from onnxruntime.quantization.matmul_nbits_quantizer import HQQWeightOnlyQuantConfig, HQQWeightOnlyQuantizer
+
+    rows, k = array.shape
+    quantizer = HQQWeightOnlyQuantizer(HQQWeightOnlyQuantConfig(block_size=32, bits=4))
+    out = np.empty((rows, k // 32 * 20), dtype=np.uint8)
+    step = max(1, (1 << 22) // k)  # rows per call: bounds HQQ's float copies to a few tens of MB
+    for r0 in range(0, rows, step):
+        with torch.no_grad():
+            q, s, z = quantizer.quantize_internal(torch.from_numpy(np.ascontiguousarray(array[r0:r0 + step])),
+                                                  bits=4, group_size=32)
+        q = q.numpy().astype(np.uint8).reshape(-1, 2, 16)  # [blocks, halves, 16]: llama.cpp's nibble order
+        s, z = s.numpy().reshape(-1, 1), z.numpy().reshape(-1, 1)
+        d = s.astype(np.float16).view(np.uint8)
+        m = (-z * s).astype(np.float16).view(np.uint8)
+        qs = q[:, 0, :] | (q[:, 1, :] << np.uint8(4))
+        n = q.shape[0] // (k // 32)
+        out[r0:r0 + n] = np.concatenate([d, m, qs], axis=-1).reshape(n, -1)
+    return out
+
+
+def _tensor_type(name: str, array: np.ndarray, qtype: str, method: str = "rtn"):
     """(data to write, GGMLQuantizationType) of one tensor in a file of `qtype`."""
     import gguf
 
@@ -61,9 +93,11 @@ def _tensor_type(name: str, array: np.ndarray, qtype: str):
         return array.astype(np.float32), T.F32
     if qtype == "f16":
         return array.astype(np.float16), T.F16
-    want = T.Q8_0 if qtype == "q8_0" or name in _WIDE else T.Q4_0
+    want = T.Q8_0 if qtype == "q8_0" or name in _WIDE else {"q4_0": T.Q4_0, "q4_1": T.Q4_1}[qtype]
     if array.shape[-1] % gguf.GGML_QUANT_SIZES[want][0]:  # rows not in whole blocks: f16, as convert_hf_to_gguf
         return array.astype(np.float16), T.F16
+    if want == T.Q4_1 and method == "hqq":
+        return q4_1_hqq(array.astype(np.float32)), want
     return gguf.quants.quantize(array.astype(np.float32), want), want
 
 
@@ -105,15 +139,19 @@ def _tokenizer(writer, folder: Path, config: dict) -> None:
         writer.add_chat_template(template.read_text(encoding="utf-8"))
 
 
-def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe") -> Path:
+def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe", method: str | None = None) -> Path:
     """GGUF of the Hugging Face folder `hf_dir` at `qtype` (one of QUANT_TYPES) at `out` (written beside it
     first, then renamed: never half there). An untied or tied head both work: without lm_head.weight the file
-    has no output tensor and llama.cpp reuses the embedding."""
+    has no output tensor and llama.cpp reuses the embedding. `method` (METHODS): how the 4-bit blocks are
+    chosen; default hqq for q4_1, rtn (llama.cpp's reference quantiser) for the other types."""
     import gguf
     from safetensors.numpy import load_file
 
     if qtype not in QUANT_TYPES:
         raise StageError(f"GGUF export: type {qtype!r} is not one of {', '.join(QUANT_TYPES)}")
+    method = method or ("hqq" if qtype == "q4_1" else "rtn")
+    if method not in METHODS or (method == "hqq" and qtype != "q4_1"):
+        raise StageError(f"GGUF export: method {method!r} with type {qtype!r}: hqq writes q4_1 only, rtn any type")
     hf_dir, out = Path(hf_dir), Path(out)
     config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
     if config.get("model_type") != "llama":
@@ -144,7 +182,7 @@ def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe") ->
     w.add_layer_norm_rms_eps(float(config.get("rms_norm_eps", 1e-5)))
     w.add_vocab_size(int(config["vocab_size"]))
     w.add_file_type({"f16": gguf.LlamaFileType.MOSTLY_F16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
-                     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}[qtype])
+                     "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0, "q4_1": gguf.LlamaFileType.MOSTLY_Q4_1}[qtype])
     _tokenizer(w, hf_dir, config)
     for hf_name in sorted(tensors, key=_order):
         array = tensors[hf_name].astype(np.float32)
@@ -152,7 +190,7 @@ def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe") ->
             array = _permute(array, heads)
         elif hf_name.endswith("k_proj.weight"):
             array = _permute(array, kv)
-        data, ggml_type = _tensor_type(gguf_name(hf_name), array, qtype)
+        data, ggml_type = _tensor_type(gguf_name(hf_name), array, qtype, method)
         w.add_tensor(gguf_name(hf_name), data,
                      raw_dtype=ggml_type)
     try:

@@ -14,6 +14,7 @@ import torch
 from llmpipe import device
 from llmpipe.bench import gguf_variants, quality
 from llmpipe.config import BenchmarkSection, QualitySection, QuantizeSection
+from llmpipe.errors import StageError
 from llmpipe.export import gguf as gguf_export
 from llmpipe.export.onnx import export_prefill
 from llmpipe.infer.ort import create_session, quantize_weight_only
@@ -144,6 +145,35 @@ def test_gguf_export_round_trips_names_shapes_and_types(hf_folder, tmp_path):
     w = weights["lm_head.weight"]
     back = gguf.quants.dequantize(t.data, t.tensor_type).reshape(w.shape)
     assert float(np.abs(back - w).max()) <= float(np.abs(w).max()) / 127 + 1e-6
+
+
+def test_gguf_q4_1_is_hqq_blocks_that_read_back_on_the_grid_they_came_from(hf_folder, tmp_path):
+    """q4_1's blocks are HQQ's scale and float zero point as llama.cpp's d and m: weights on a Q4_1 grid (the
+    shipped SmolLM2 file's) read back almost exactly, where round to nearest with integer zero points cannot;
+    any weights read back within one 4-bit step; the embedding / head stay q8_0; a bad method is one line."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    d = rng.uniform(0.002, 0.02, (64, 8, 1)).astype(np.float32)  # 64 rows, 8 blocks of 32
+    m = rng.uniform(-0.1, 0.0, (64, 8, 1)).astype(np.float32)
+    q = rng.integers(0, 16, (64, 8, 32))
+    q[:, :, 0], q[:, :, 1] = 0, 15  # each block spans its grid, as a Q4_1 block's min and max do
+    on_grid = (d * q + m).reshape(64, 256).astype(np.float16).astype(np.float32)
+    back = gguf.quants.dequantize(gguf_export.q4_1_hqq(on_grid), gguf.GGMLQuantizationType.Q4_1).reshape(64, 256)
+    err = np.abs(back - on_grid) / np.repeat(d.reshape(64, 8), 32, axis=1)  # in steps of each weight's block
+    # HQQ's fit lands on the grid (fp16 d and m aside) for >= 99% of the weights, and moves no weight a whole step
+    assert float(np.mean(err < 0.05)) >= 0.99 and float(err.mean()) < 0.01 and float(err.max()) < 1.0
+    w = rng.standard_normal((48, 128)).astype(np.float32)
+    back = gguf.quants.dequantize(gguf_export.q4_1_hqq(w), gguf.GGMLQuantizationType.Q4_1).reshape(w.shape)
+    span = (w.reshape(48, 4, 32).max(-1) - w.reshape(48, 4, 32).min(-1)).max() / 15
+    assert float(np.abs(back - w).mean()) < 0.3 * span  # HQQ's l_0.7 fit: well inside one step on average
+    reader = gguf.GGUFReader(gguf_export.write(hf_folder, tmp_path / "m-q4_1.gguf", "q4_1"))
+    types = {t.name: t.tensor_type for t in reader.tensors}
+    T = gguf.GGMLQuantizationType
+    assert types["token_embd.weight"] == T.Q8_0 and types["blk.0.attn_q.weight"] == T.Q4_1
+    with pytest.raises(StageError, match="hqq writes q4_1 only"):
+        gguf_export.write(hf_folder, tmp_path / "m-q4_0.gguf", "q4_0", method="hqq")
+    assert not (tmp_path / "m-q4_0.gguf").exists()
 
 
 def test_llama_cpp_decodes_the_f16_export_like_torch_or_the_rows_say_why_not(hf_folder, confident, tmp_path):
