@@ -32,7 +32,9 @@ the benchmark stage deploys on the CPU:
   llama-quantize (llama_cpp.llama_model_quantize) of the f16 file, its recommended 4-bit mix;
 - `llmpipe q4_1-hqq`: export.gguf's q4_1 (HQQ in blocks of 32, embedding and head at q8_0: benchmark.quantize.int4's
   recipe written for llama.cpp's Q4_1 kernels) in llama-cpp-python. It is llmpipe's variant on llama.cpp's
-  kernels: `peers` counts it on llmpipe's side and says so apart from the onnxruntime graphs.
+  kernels: `peers` counts it on llmpipe's side and says so apart from the onnxruntime graphs;
+  `llmpipe q4_1-hqq-lora` (with --adapter): the base the fine-tune came from at that q4_1, the adapter as
+  llama.cpp's LoRA GGUF (export.gguf.write_lora) applied by llama.cpp at run time.
 
 Quality: perplexity, its increase, KL(fp32 || recipe) and top-1 agreement with fp32 on --samples windows of
 --seq tokens of text (the Python standard library's sources, files not used for calibration), the prompt pass
@@ -140,6 +142,7 @@ def recipes() -> list[Recipe]:
         Recipe("llama.cpp q4_1", "int4", "gguf", {"type": "q4_1", "method": "rtn"}),
         Recipe("llama.cpp q4_k_m", "int4", "gguf", {"type": "q4_k_m"}),
         Recipe("llmpipe q4_1-hqq", "int4", "gguf", {"type": "q4_1", "method": "hqq"}),
+        Recipe("llmpipe q4_1-hqq-lora", "int4", "gguf", {"type": "q4_1", "method": "hqq", "lora": True}),
     ]
 
 
@@ -225,7 +228,16 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
         from llmpipe.export import gguf
 
         out.mkdir(parents=True, exist_ok=True)
-        if r.options["type"] == "q4_k_m":  # llama.cpp's own quantiser, from the f16 file
+        if r.options.get("lora"):  # the base at q4_1, the adapter beside it for llama.cpp to apply
+            import tempfile
+
+            from llmpipe.infer import lora_rows
+
+            with tempfile.TemporaryDirectory(dir=work) as tmp:
+                base = lora_rows.write_base(hf, lora_rows.Adapter.read(adapter), Path(tmp) / "base")
+                gguf.write(base, out / "model.gguf", r.options["type"], method=r.options.get("method"))
+            gguf.write_lora(adapter, hf, out / "model.lora.gguf")
+        elif r.options["type"] == "q4_k_m":  # llama.cpp's own quantiser, from the f16 file
             f16 = build(next(x for x in recipes() if x.name == "llama.cpp f16"), hf, work, fp32)
             llama_quantize(f16 / "model.gguf", out / "model.gguf", "Q4_K_M")
         else:
@@ -368,8 +380,10 @@ class LlamaCppRunner:
         import llama_cpp
 
         batch = self.batch or cache
+        lora = folder / "model.lora.gguf"
         self.llm = llama_cpp.Llama(str(folder / "model.gguf"), n_ctx=cache, n_batch=batch, n_ubatch=batch,
-                                   n_threads=threads, n_threads_batch=threads, logits_all=logits_all, verbose=False)
+                                   n_threads=threads, n_threads_batch=threads, logits_all=logits_all, verbose=False,
+                                   lora_path=str(lora) if lora.is_file() else None)
 
     def logits(self, ids: np.ndarray) -> np.ndarray:
         out = []
@@ -450,8 +464,8 @@ def main(argv=None) -> None:
                                                    r.name == "fp32"]
     skipped = {}
     if a.adapter is None:
-        skipped.update({r.name: "no --adapter" for r in chosen if r.kind == "lora"})
-        chosen = [r for r in chosen if r.kind != "lora"]
+        skipped.update({r.name: "no --adapter" for r in chosen if r.kind == "lora" or r.options.get("lora")})
+        chosen = [r for r in chosen if r.kind != "lora" and not r.options.get("lora")]
     if llama_cpp_reason():
         skipped.update({r.name: llama_cpp_reason() for r in chosen if r.kind == "gguf"})
         chosen = [r for r in chosen if r.kind != "gguf"]

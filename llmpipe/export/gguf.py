@@ -17,6 +17,12 @@ How the blocks are chosen (`method`): "rtn" is gguf.quants' numpy port of llama.
 default) is onnxruntime's half-quadratic quantiser, the recipe that holds on a real model
 (docs/measurements/quantisation.md): its scale and float zero point per block are exactly Q4_1's
 `d * q + m` (d = scale, m = -zero * scale), so llama.cpp's own Q4_1 kernels run HQQ's weights unchanged.
+
+`write_lora` writes a PEFT LoRA adapter (consolidate's adapter/) as llama.cpp's LoRA GGUF (general.type
+adapter; `<tensor>.lora_a` / `.lora_b` beside the base tensor's name, the query and key B permuted as the
+base): with the base the fine-tune came from (`llmpipe.infer.lora_rows.write_base`) at q4_1, llama.cpp runs a
+fine-tune whose weight changes are below a 4-bit step without rounding them away (`llama --lora`,
+llama-cpp-python's `lora_path`).
 """
 
 from __future__ import annotations
@@ -206,3 +212,46 @@ def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe", me
 def _order(hf_name: str) -> tuple[int, str]:
     m = re.match(r"model\.layers\.(\d+)\.", hf_name)
     return (int(m.group(1)) if m else (-1 if "embed" in hf_name else 10**6)), hf_name
+
+
+def write_lora(adapter_dir: Path, hf_dir: Path, out: Path, name: str = "llmpipe") -> Path:
+    """llama.cpp's LoRA adapter GGUF (f32 A and B) of the PEFT adapter in `adapter_dir` (read and checked by
+    llmpipe.infer.lora_rows.Adapter), for the Llama model of `hf_dir` (its config.json: heads for the query and
+    key permutation). PEFT's scale alpha / r (or alpha / sqrt(r), rsLoRA) is written as the alpha llama.cpp
+    divides by the rank. Written beside `out`, then renamed."""
+    import gguf
+
+    from llmpipe.infer.lora_rows import Adapter
+
+    adapter = Adapter.read(adapter_dir)
+    hf_dir, out = Path(hf_dir), Path(out)
+    config = json.loads((hf_dir / "config.json").read_text(encoding="utf-8"))
+    heads = int(config["num_attention_heads"])
+    kv = int(config.get("num_key_value_heads") or heads)
+    parent = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+              "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+    tmp = out.with_name(out.name + ".partial")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(name)
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    ranks = {a.shape[0] for a, _ in adapter.tensors.values()}
+    if len(ranks) != 1:
+        raise StageError(f"GGUF export: {adapter_dir} has LoRA ranks {sorted(ranks)}; one rank is written")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(adapter.scale * ranks.pop()))
+    for (layer, module), (a, b) in sorted(adapter.tensors.items()):
+        base = gguf_name(f"model.layers.{layer}.{parent[module]}.{module}.weight")
+        if module == "q_proj":
+            b = _permute(b, heads)
+        elif module == "k_proj":
+            b = _permute(b, kv)
+        w.add_tensor(base + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
+        w.add_tensor(base + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+    finally:
+        w.close()
+    tmp.rename(out)
+    return out

@@ -194,6 +194,67 @@ def test_llama_cpp_decodes_the_f16_export_like_torch_or_the_rows_say_why_not(hf_
     assert row["decode_tokens_per_s"] > 0
 
 
+def test_a_lora_adapter_written_for_llama_cpp_adds_the_fine_tunes_weights_to_its_base(hf_folder, confident,
+                                                                                      tmp_path):
+    """write_lora's A and B (query and key B permuted like the base) times its alpha / rank, added to the base
+    file's tensors, are the merged model's tensors in the same file layout; where llama-cpp-python is present,
+    base + adapter decodes the merged model's logits (f16 files: within 0.2% of the largest logit, where the base
+    alone is off by more than 5%)."""
+    import shutil
+
+    import gguf
+    from safetensors.numpy import load_file, save_file
+
+    rng = np.random.default_rng(3)
+    base = load_file(str(hf_folder / "model.safetensors"))
+    r, alpha = 4, 8.0
+    peft, merged = {}, dict(base)
+    for key, w in base.items():
+        if w.ndim == 2 and ".layers." in key and key.endswith("_proj.weight"):
+            a = (0.1 * rng.standard_normal((r, w.shape[1]))).astype(np.float32)
+            b = (0.1 * rng.standard_normal((w.shape[0], r))).astype(np.float32)
+            stem = "base_model.model." + key[: -len(".weight")]
+            peft[stem + ".lora_A.weight"], peft[stem + ".lora_B.weight"] = a, b
+            merged[key] = w + alpha / r * (b @ a)
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": r, "lora_alpha": alpha}))
+    save_file(peft, str(adapter / "adapter_model.safetensors"))
+    merged_hf = tmp_path / "merged"
+    shutil.copytree(hf_folder, merged_hf)
+    save_file(merged, str(merged_hf / "model.safetensors"))
+
+    lora = gguf.GGUFReader(gguf_export.write_lora(adapter, merged_hf, tmp_path / "lora.gguf"))
+    assert lora.fields["general.type"].contents() == "adapter"
+    assert lora.fields["adapter.type"].contents() == "lora"
+    assert lora.fields["adapter.lora.alpha"].contents() == pytest.approx(alpha)
+    ab = {t.name: np.asarray(t.data, dtype=np.float32) for t in lora.tensors}
+    assert len(ab) == 2 * len(peft) // 2
+    plain = {t.name: np.asarray(t.data, dtype=np.float32) for t in
+             gguf.GGUFReader(gguf_export.write(hf_folder, tmp_path / "base.gguf", "f16")).tensors}
+    want = {t.name: np.asarray(t.data, dtype=np.float32) for t in
+            gguf.GGUFReader(gguf_export.write(merged_hf, tmp_path / "merged.gguf", "f16")).tensors}
+    for name in {n[: -len(".lora_a")] for n in ab if n.endswith(".lora_a")}:
+        got = plain[name] + alpha / r * (ab[name + ".lora_b"] @ ab[name + ".lora_a"])
+        np.testing.assert_allclose(got, want[name], atol=2e-3, err_msg=name)  # f16 rounding of both files
+    if gguf_variants.unavailable_reason() is not None:  # the suite never needs the optional extra
+        return
+    import llama_cpp
+
+    _, _, ids, _ = confident
+    outs = []
+    for path, lora_path in ((tmp_path / "merged.gguf", None), (tmp_path / "base.gguf", tmp_path / "lora.gguf"),
+                            (tmp_path / "base.gguf", None)):
+        llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, verbose=False,
+                              lora_path=str(lora_path) if lora_path else None)
+        llm.eval(ids[0, :16].tolist())
+        outs.append(np.array(llm.scores[:16], dtype=np.float32))
+        llm.close()
+    top = float(np.abs(outs[0]).max())
+    assert float(np.abs(outs[1] - outs[0]).max()) <= 2e-3 * top  # measured 4e-4: f16 rounding
+    assert float(np.abs(outs[2] - outs[0]).max()) > 5e-2 * top  # the adapter is what closes the gap
+
+
 def test_without_llama_cpp_the_gguf_variants_are_recorded_as_skipped_with_the_reason(hf_folder, tmp_path,
                                                                                       monkeypatch):
     import importlib.util
