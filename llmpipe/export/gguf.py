@@ -199,6 +199,11 @@ def write(hf_dir: Path, out: Path, qtype: str = "f16", name: str = "llmpipe", me
         data, ggml_type = _tensor_type(gguf_name(hf_name), array, qtype, method)
         w.add_tensor(gguf_name(hf_name), data,
                      raw_dtype=ggml_type)
+    return _finish(w, tmp, out)
+
+
+def _finish(w, tmp: Path, out: Path) -> Path:
+    """Write the GGUFWriter `w`'s file at `tmp`, then rename it to `out` (never half there)."""
     try:
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -247,11 +252,4 @@ def write_lora(adapter_dir: Path, hf_dir: Path, out: Path, name: str = "llmpipe"
             b = _permute(b, kv)
         w.add_tensor(base + ".lora_a", np.ascontiguousarray(a, dtype=np.float32))
         w.add_tensor(base + ".lora_b", np.ascontiguousarray(b, dtype=np.float32))
-    try:
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-    finally:
-        w.close()
-    tmp.rename(out)
-    return out
+    return _finish(w, tmp, out)
