@@ -595,6 +595,13 @@ class ExportSection(Section):
                                                              "benchmark gates each as gguf_<type> when "
                                                              "llama-cpp-python is installed. Needs "
                                                              "consolidate.hf_layout.")
+    gguf_adapter: Literal["merged", "separate"] = Res("merged", added=True, description="A LoRA run's 4-bit GGUF "
+                                                      "files (q4_0, q4_1): merged (the fine-tuned weights), or "
+                                                      "separate: each written from the base the fine-tune came "
+                                                      "from, the adapter as llama.cpp's LoRA GGUF gguf/"
+                                                      "adapter.lora.gguf beside them (llama.cpp --lora). A "
+                                                      "fine-tune's weight changes below a 4-bit step survive "
+                                                      "only so; the benchmark applies the adapter.")
 
     @model_validator(mode="after")
     def _opset(self) -> ExportSection:
@@ -1045,6 +1052,13 @@ class RunConfig(Section):
             if getattr(self.benchmark.quantize, name).adapter == "separate" and self.train.lora is None:
                 raise ValueError(f"benchmark.quantize.{name}.adapter: separate needs a LoRA run (train.lora), "
                                  "which this config does not train")
+        if self.export.gguf_adapter == "separate":
+            if self.train.lora is None:
+                raise ValueError("export.gguf_adapter: separate needs a LoRA run (train.lora), which this config "
+                                 "does not train")
+            if not set(self.export.gguf) & {"q4_0", "q4_1"}:
+                raise ValueError(f"export.gguf_adapter: separate applies to 4-bit files, and export.gguf "
+                                 f"{self.export.gguf} has none (add q4_1)")
         return self
 
     @model_validator(mode="after")

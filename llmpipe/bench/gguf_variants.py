@@ -6,7 +6,8 @@ benchmark.quality. When llama-cpp-python (the optional extra `llamacpp`) is impo
 scored like the others (perplexity, KL and top-1 against torch fp32 on the same validation windows, its
 prompt pass with every position's logits) and its decode tokens/s measured at batch 1 (benchmark.llm's
 decode prompt and new tokens, the median of its repeats); without it, each is recorded as skipped with the
-reason and nothing fails.
+reason and nothing fails. With export.gguf_adapter: separate, export_onnx's LoRA GGUF (output lora_gguf) is
+applied to the 4-bit files (written from the fine-tune's base), by llama.cpp at run time.
 """
 
 from __future__ import annotations
@@ -33,11 +34,12 @@ def unavailable_reason() -> str | None:
 class LlamaCppEngine:
     """llama.cpp (llama-cpp-python) behind the engines' start / step / prompt calls, one sequence at a time."""
 
-    def __init__(self, path: Path, threads: int, n_ctx: int, logits_all: bool = False):
+    def __init__(self, path: Path, threads: int, n_ctx: int, logits_all: bool = False, lora: Path | None = None):
         import llama_cpp
 
         self.llm = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=threads,
-                                   n_threads_batch=threads, logits_all=logits_all, verbose=False)
+                                   n_threads_batch=threads, logits_all=logits_all, verbose=False,
+                                   lora_path=str(lora) if lora is not None else None)
 
     def prompt(self, ids: np.ndarray) -> np.ndarray:
         """Every position's logits (B, T, vocab) of each row of `ids` (B, T), each from an empty cache."""
@@ -80,6 +82,15 @@ def files(export_dir: Path, manifest) -> dict[str, Path]:
     return {name: manifest.path(export_dir, name) for name in manifest.outputs if name.startswith(PREFIX)}
 
 
+ADAPTER = "lora_gguf"  # export_onnx's output for export.gguf_adapter: separate (llmpipe.export.onnx)
+SEPARATE = ("gguf_q4_0", "gguf_q4_1")  # the files written from the base when it is
+
+
+def adapter(export_dir: Path, manifest) -> Path | None:
+    """export_onnx's LoRA GGUF (export.gguf_adapter: separate), applied to its 4-bit files; None without."""
+    return manifest.path(export_dir, ADAPTER) if ADAPTER in manifest.outputs else None
+
+
 def decode_rate(engine: LlamaCppEngine, prompt: np.ndarray, new: int) -> float:
     """Decode tokens/s at batch 1 after the first token (as llmpipe.infer.decode.generate counts them)."""
     tok = engine.start(prompt).argmax(-1)
@@ -90,7 +101,7 @@ def decode_rate(engine: LlamaCppEngine, prompt: np.ndarray, new: int) -> float:
 
 
 def results(found: dict[str, Path], ids: np.ndarray, ref: np.ndarray, cfg, threads: int, vocab: int,
-            seed: int) -> dict[str, Any]:
+            seed: int, lora: Path | None = None) -> dict[str, Any]:
     """results["gguf"]: per variant its file's bytes and either why it was skipped or its metrics, verdict
     and decode tokens/s. `ids` (N, T) and `ref` (torch fp32's logits of them) are the quality windows; `cfg`
     benchmark (its quality gates and llm decode settings). The verdicts are returned under "verdicts" for the
@@ -108,8 +119,11 @@ def results(found: dict[str, Path], ids: np.ndarray, ref: np.ndarray, cfg, threa
     prompt = np.random.default_rng(seed).integers(1, vocab, (1, c.decode_prompt_len))
     metrics = {}
     for name, path in found.items():
-        metrics[name] = quality.text_metrics(ids, ref, LlamaCppEngine(path, threads, n_ctx, True).prompt(ids))
-        engine = LlamaCppEngine(path, threads, n_ctx)
+        extra = lora if name in SEPARATE else None  # `lora`: export.gguf_adapter's file, for the 4-bit bases
+        if extra is not None:
+            rows[name]["adapter"] = extra.name
+        metrics[name] = quality.text_metrics(ids, ref, LlamaCppEngine(path, threads, n_ctx, True, extra).prompt(ids))
+        engine = LlamaCppEngine(path, threads, n_ctx, lora=extra)
         decode_rate(engine, prompt, 4)  # warm-up
         rates = [decode_rate(engine, prompt, c.new_tokens) for _ in range(c.repeats)]
         rows[name].update(metrics[name], decode_tokens_per_s=float(np.median(rates)), decode_batch=1)
@@ -135,4 +149,6 @@ def markdown(g: dict[str, Any] | None) -> str:
             continue
         lines.append(f"| {name} | {r['bytes'] / 1e6:.1f} | {100 * r['ppl_increase']:+.2f}% | {r['kl']:.2e} | "
                      f"{r['top1']:.4f} | {r['decode_tokens_per_s']:.1f} | {r['verdict']} |")
+        if "adapter" in r:
+            lines[-1] = lines[-1].replace(f"| {name} |", f"| {name} (+ {r['adapter']}) |", 1)
     return "\n".join(lines) + "\n"

@@ -534,7 +534,8 @@ def gguf_results(ctx: StageContext, models, threads: int) -> dict[str, Any] | No
         T = min(cfg.quality.seq_len or ctx.cfg.data.seq_len, models.args.max_seq_len)
         ids = quality.val_sample(ctx.input_path("prepare_data", "val_bin"), cfg.quality.samples, T, ctx.cfg.run.seed)
         ref = deploy._logits_torch(models.torch_model, ids)  # the same windows and reference as quality_results
-    return gguf_variants.results(found, ids, ref, cfg, threads, models.args.vocab_size, ctx.cfg.run.seed)
+    return gguf_variants.results(found, ids, ref, cfg, threads, models.args.vocab_size, ctx.cfg.run.seed,
+                                 gguf_variants.adapter(folder, manifest))
 
 
 SERVING_PLOT, SERVING_LOG = "serving.png", "serving.log"

@@ -67,6 +67,7 @@ log = logging.getLogger("llmpipe.export")
 PARITY_FILE = "parity.json"
 ORT_DIR = "ort"  # onnxruntime's own graph (llmpipe.export.fused), fp32
 GGUF_DIR = "gguf"  # export.gguf: llama.cpp's files of the consolidated weights (llmpipe.export.gguf)
+GGUF_ADAPTER, GGUF_ADAPTER_OUTPUT = "adapter.lora.gguf", "lora_gguf"  # export.gguf_adapter: separate
 # NOTE: trace with batch != seq and neither equal to 1: the tracer may bake a size-1 dimension
 # into broadcasts, or confuse two equal dimensions, which would break the dynamic axes.
 TRACE_SHAPE = (2, 16)
@@ -421,6 +422,7 @@ def run(ctx: StageContext) -> StageResult:
     template = _chat_template(ctx)  # before any work: a drifted template is refused in a second
     hf_dir = _ort_graph_source(ctx)  # before any work too: export.ort_graph with no builder or no hf/
     gguf_src = _gguf_source(ctx)  # and export.gguf with no hf/
+    _gguf_adapter(ctx)  # and export.gguf_adapter: separate with no adapter/
     model = _load(ctx)
     check_shapes(cfg.parity_shapes, model.args.max_seq_len, "export.parity_shapes")
     path = ctx.work_dir / MODEL_FILE
@@ -549,12 +551,40 @@ def _gguf_files(ctx: StageContext, hf_dir: Path | None) -> dict[str, str]:
         return {}
     (ctx.work_dir / GGUF_DIR).mkdir(exist_ok=True)
     out = {}
-    for qtype in ctx.cfg.export.gguf:
-        t0 = time.perf_counter()
-        path = gguf.write(hf_dir, ctx.work_dir / GGUF_DIR / f"model-{qtype}.gguf", qtype, ctx.cfg.run.name)
-        log.info("GGUF %s: %s (%d bytes) in %.1fs", qtype, path, path.stat().st_size, time.perf_counter() - t0)
-        out[f"gguf_{qtype}"] = path.relative_to(ctx.work_dir).as_posix()
+    adapter = _gguf_adapter(ctx)
+    base = None
+    try:
+        for qtype in ctx.cfg.export.gguf:
+            t0 = time.perf_counter()
+            src = hf_dir
+            if adapter is not None and qtype in ("q4_0", "q4_1"):
+                if base is None:  # the base the fine-tune came from (hf/ minus the adapter's product), once
+                    from llmpipe.infer import lora_rows
+
+                    base = lora_rows.write_base(hf_dir, lora_rows.Adapter.read(adapter),
+                                                ctx.work_dir / GGUF_DIR / "base.partial")
+                    lora = gguf.write_lora(adapter, hf_dir, ctx.work_dir / GGUF_DIR / GGUF_ADAPTER, ctx.cfg.run.name)
+                    out[GGUF_ADAPTER_OUTPUT] = lora.relative_to(ctx.work_dir).as_posix()
+                src = base
+            path = gguf.write(src, ctx.work_dir / GGUF_DIR / f"model-{qtype}.gguf", qtype, ctx.cfg.run.name)
+            log.info("GGUF %s: %s (%d bytes%s) in %.1fs", qtype, path, path.stat().st_size,
+                     ", the base; the adapter in " + GGUF_ADAPTER if src is base else "", time.perf_counter() - t0)
+            out[f"gguf_{qtype}"] = path.relative_to(ctx.work_dir).as_posix()
+    finally:
+        if base is not None:
+            shutil.rmtree(base, ignore_errors=True)
     return out
+
+
+def _gguf_adapter(ctx: StageContext) -> Path | None:
+    """consolidate's adapter/ (PEFT) for export.gguf_adapter: separate, else None; a StageError when the LoRA
+    run's consolidate wrote none."""
+    if ctx.cfg.export.gguf_adapter != "separate":
+        return None
+    folder, manifest = ctx.inputs["consolidate"]
+    if not {"adapter/adapter_config.json", "adapter/adapter_model.safetensors"} <= set(manifest.outputs):
+        raise StageError(f"export.gguf_adapter: separate, but consolidate wrote no LoRA adapter (adapter/ in {folder})")
+    return manifest.path(folder, "adapter/adapter_config.json").parent
 
 
 def _chat_template(ctx: StageContext) -> str | None:

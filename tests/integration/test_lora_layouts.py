@@ -156,3 +156,59 @@ def _graph_logits(folder: Path, ids: np.ndarray) -> np.ndarray:
 
     session = create_session(folder / "model.onnx", device.ort_providers(["cpu"])[0], 2)
     return FusedEngine(session, GraphConfig.read(folder), 64).prompt(ids)
+
+
+def test_export_writes_a_lora_runs_4_bit_gguf_from_its_base_with_the_adapter_beside_it(runs, tmp_path):
+    """export.gguf_adapter: separate: the q4_1 file is the base the fine-tune came from (its tensors nearer the
+    pretrained folder's than the merged ones), gguf/adapter.lora.gguf carries one A and B per adapted projection,
+    the q8_0 file stays merged, and no base.partial folder is left; a separate adapter without adapter/ is one
+    line naming the field, before any file."""
+    import shutil
+    from types import SimpleNamespace
+
+    import gguf
+    from safetensors.numpy import load_file
+
+    from llmpipe.config import ExportSection
+    from llmpipe.errors import StageError
+    from llmpipe.export import gguf as gguf_export
+    from llmpipe.export.onnx import _gguf_adapter, _gguf_files
+    from llmpipe.manifest import Manifest
+
+    folder = runs("ddp").run_dir() / "03_consolidate"
+    manifest = Manifest.load(folder)
+    hf_dir = tmp_path / "hf"  # consolidate's hf/ without the fixture's Llama-3 rope_scaling (GGUF refuses it)
+    shutil.copytree(manifest.path(folder, "hf/config.json").parent, hf_dir)
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.pop("rope_scaling", None)
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    ctx_dir = tmp_path / "export"
+    ctx_dir.mkdir()
+    section = ExportSection.model_validate({"gguf": ["q8_0", "q4_1"], "gguf_adapter": "separate"})
+    ctx = SimpleNamespace(cfg=SimpleNamespace(export=section, run=SimpleNamespace(name="t")),
+                          inputs={"consolidate": (folder, manifest)}, work_dir=ctx_dir)
+    out = _gguf_files(ctx, hf_dir)
+    assert out == {"gguf_q8_0": "gguf/model-q8_0.gguf", "gguf_q4_1": "gguf/model-q4_1.gguf",
+                   "lora_gguf": "gguf/adapter.lora.gguf"}
+    assert sorted(p.name for p in (ctx_dir / "gguf").iterdir()) == sorted(Path(p).name for p in out.values())
+    lora = {t.name for t in gguf.GGUFReader(ctx_dir / "gguf" / "adapter.lora.gguf").tensors}
+    assert len(lora) == 2 * len(LORA["targets"]) * hf.read_config(runs.hf_folder)[0].n_layers
+    base = {k: v for f in sorted(runs.hf_folder.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    merged = {k: v for f in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    q41 = {t.name: t for t in gguf.GGUFReader(ctx_dir / "gguf" / "model-q4_1.gguf").tensors}
+    q80 = {t.name: t for t in gguf.GGUFReader(ctx_dir / "gguf" / "model-q8_0.gguf").tensors}
+    key = "model.layers.0.self_attn.v_proj.weight"  # adapted, not permuted
+    assert q41[gguf_export.gguf_name(key)].tensor_type == gguf.GGMLQuantizationType.Q4_1
+
+    def back(t):
+        return gguf.quants.dequantize(t.data, t.tensor_type).reshape(merged[key].shape)
+
+    delta = float(np.abs(merged[key] - base[key]).mean())
+    assert delta > 0  # the fine-tune moved this projection
+    assert np.abs(back(q80[gguf_export.gguf_name(key)]) - merged[key]).mean() < 0.5 * delta  # q8_0: merged
+    w = back(q41[gguf_export.gguf_name(key)])
+    assert np.abs(w - base[key]).mean() < np.abs(w - merged[key]).mean()  # q4_1: the base
+    no_adapter = SimpleNamespace(outputs={k: v for k, v in manifest.outputs.items() if not k.startswith("adapter/")})
+    ctx.inputs = {"consolidate": (folder, no_adapter)}
+    with pytest.raises(StageError, match="export.gguf_adapter: separate, but consolidate wrote no LoRA adapter"):
+        _gguf_adapter(ctx)

@@ -253,6 +253,30 @@ def test_a_lora_adapter_written_for_llama_cpp_adds_the_fine_tunes_weights_to_its
     top = float(np.abs(outs[0]).max())
     assert float(np.abs(outs[1] - outs[0]).max()) <= 2e-3 * top  # measured 4e-4: f16 rounding
     assert float(np.abs(outs[2] - outs[0]).max()) > 5e-2 * top  # the adapter is what closes the gap
+    # the benchmark's GGUF variants: export.gguf_adapter's file is applied to the 4-bit base, and is what brings
+    # it to the merged model (the reference here: the merged f16 file's logits of the same windows)
+    windows = ids[:2, :16]
+    ref = np.stack([outs[0]] + [_llama_logits(tmp_path / "merged.gguf", row) for row in windows[1:]])
+    q41 = gguf_export.write(hf_folder, tmp_path / "base-q4_1.gguf", "q4_1")
+    cfg = BenchmarkSection.model_validate({"llm": {"decode_prompt_len": 8, "new_tokens": 4, "repeats": 1},
+                                           "quality": {"enforce": False}})
+    kl = {}
+    for lora_file in (tmp_path / "lora.gguf", None):
+        out = gguf_variants.results({"gguf_q4_1": q41}, windows, ref, cfg, 2, ref.shape[-1], 0, lora_file)
+        row = out["variants"]["gguf_q4_1"]
+        assert row.get("adapter") == (lora_file.name if lora_file else None)
+        kl[lora_file is not None] = row["kl"]
+    assert kl[True] < 0.5 * kl[False], kl
+
+
+def _llama_logits(path: Path, row: np.ndarray) -> np.ndarray:
+    import llama_cpp
+
+    llm = llama_cpp.Llama(str(path), n_ctx=64, n_batch=64, logits_all=True, verbose=False)
+    llm.eval(row.tolist())
+    out = np.array(llm.scores[:len(row)], dtype=np.float32)
+    llm.close()
+    return out
 
 
 def test_without_llama_cpp_the_gguf_variants_are_recorded_as_skipped_with_the_reason(hf_folder, tmp_path,
@@ -316,6 +340,30 @@ def test_zero_points_defines_the_benchmark_and_float_ones_need_hqq(tmp_path):
     with pytest.raises(ConfigError, match="zero_points"):
         from_dict({**base, "benchmark": {**base["benchmark"],
                                          "quantize": {"int4": {"algorithm": "rtn", "zero_points": "float"}}}})
+
+
+def test_gguf_adapter_is_an_added_export_field_and_separate_needs_a_lora_run_and_a_4_bit_file(tmp_path):
+    """export.gguf_adapter at its default leaves every fingerprint as a config that never named it; separate
+    moves export_onnx's; without train.lora, or without a 4-bit type in export.gguf, the config is refused when
+    it loads, in one line naming the field."""
+    from llmpipe.config import from_dict
+    from llmpipe.errors import ConfigError
+    from llmpipe.stages import fingerprints
+
+    base = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]}}
+    lora = {**base, "train": {"lora": {"rank": 4}}}
+
+    def export(tree, section):
+        return from_dict({**tree, "export": section})
+
+    before = fingerprints(export(lora, {"gguf": ["q4_1"]}))
+    assert fingerprints(export(lora, {"gguf": ["q4_1"], "gguf_adapter": "merged"})) == before
+    after = fingerprints(export(lora, {"gguf": ["q4_1"], "gguf_adapter": "separate"}))
+    assert after["export_onnx"] != before["export_onnx"] and after["consolidate"] == before["consolidate"]
+    with pytest.raises(ConfigError, match="export.gguf_adapter: separate needs a LoRA run"):
+        export(base, {"gguf": ["q4_1"], "gguf_adapter": "separate"})
+    with pytest.raises(ConfigError, match="export.gguf_adapter: separate applies to 4-bit files"):
+        export(lora, {"gguf": ["q8_0"], "gguf_adapter": "separate"})
 
 
 # ------------------------------------------------------------------ calibrated recipes (benchmarks/quant_recipes.py)
