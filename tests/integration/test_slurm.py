@@ -107,8 +107,11 @@ def test_a_requeued_slurm_job_resumes_from_the_newest_verified_checkpoint_and_th
 
 
 def _stage_cli(path: Path) -> subprocess.Popen:
+    # SIGINT back to its default in the child: a suite started in the background ignores it, children inherit
+    # that, and the test's Ctrl-C would reach a stage that rightly ignores it (tests/flows/test_signals.py)
     return subprocess.Popen([sys.executable, "-m", "llmpipe", "stage", "train", str(path)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def test_a_killed_stage_s_job_is_taken_up_by_the_next_attempt_and_ctrl_c_leaves_nothing_in_squeue(slurm, tmp_path):
