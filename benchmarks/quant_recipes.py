@@ -29,7 +29,8 @@ the benchmark stage deploys on the CPU:
   folded nodes (llmpipe.infer.lora_rows; benchmark.quantize.int4.adapter: separate);
 - `llama.cpp <type>`: llmpipe.export.gguf's file of the same folder (f16, q8_0, q4_0, q4_1) with llama.cpp's
   reference quantisers, in llama-cpp-python, when it is installed; `llama.cpp q4_k_m`: llama.cpp's own
-  llama-quantize (llama_cpp.llama_model_quantize) of the f16 file, its recommended 4-bit mix;
+  llama-quantize (llama_cpp.llama_model_quantize) of the f16 file, its recommended 4-bit mix; `llama.cpp q5_0`,
+  `q5_1`, `q5_k_m`, `q6_k`: the same quantiser's 5- and 6-bit types, judged by int4's gate (the loosest);
 - `llmpipe q4_1-hqq`: export.gguf's q4_1 (HQQ in blocks of 32, embedding and head at q8_0: benchmark.quantize.int4's
   recipe written for llama.cpp's Q4_1 kernels) in llama-cpp-python. It is llmpipe's variant on llama.cpp's
   kernels: `peers` counts it on llmpipe's side and says so apart from the onnxruntime graphs;
@@ -140,7 +141,13 @@ def recipes() -> list[Recipe]:
         Recipe("llama.cpp q8_0", "int8w", "gguf", {"type": "q8_0"}),
         Recipe("llama.cpp q4_0", "int4", "gguf", {"type": "q4_0"}),
         Recipe("llama.cpp q4_1", "int4", "gguf", {"type": "q4_1", "method": "rtn"}),
-        Recipe("llama.cpp q4_k_m", "int4", "gguf", {"type": "q4_k_m"}),
+        Recipe("llama.cpp q4_k_m", "int4", "gguf", {"type": "q4_k_m", "ftype": "Q4_K_M"}),
+        # llama.cpp's 5- and 6-bit types, from its own quantiser: judged by int4's gate, the loosest one the
+        # pipeline deploys a quantised variant under, so no peer fails a stricter gate than llmpipe's 4-bit rows
+        Recipe("llama.cpp q5_0", "int4", "gguf", {"type": "q5_0", "ftype": "Q5_0"}),
+        Recipe("llama.cpp q5_1", "int4", "gguf", {"type": "q5_1", "ftype": "Q5_1"}),
+        Recipe("llama.cpp q5_k_m", "int4", "gguf", {"type": "q5_k_m", "ftype": "Q5_K_M"}),
+        Recipe("llama.cpp q6_k", "int4", "gguf", {"type": "q6_k", "ftype": "Q6_K"}),
         Recipe("llmpipe q4_1-hqq", "int4", "gguf", {"type": "q4_1", "method": "hqq"}),
         Recipe("llmpipe q4_1-hqq-lora", "int4", "gguf", {"type": "q4_1", "method": "hqq", "lora": True}),
     ]
@@ -237,9 +244,9 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
                 base = lora_rows.write_base(hf, lora_rows.Adapter.read(adapter), Path(tmp) / "base")
                 gguf.write(base, out / "model.gguf", r.options["type"], method=r.options.get("method"))
             gguf.write_lora(adapter, hf, out / "model.lora.gguf")
-        elif r.options["type"] == "q4_k_m":  # llama.cpp's own quantiser, from the f16 file
+        elif r.options.get("ftype"):  # llama.cpp's own quantiser, from the f16 file
             f16 = build(next(x for x in recipes() if x.name == "llama.cpp f16"), hf, work, fp32)
-            llama_quantize(f16 / "model.gguf", out / "model.gguf", "Q4_K_M")
+            llama_quantize(f16 / "model.gguf", out / "model.gguf", r.options["ftype"])
         else:
             gguf.write(hf, out / "model.gguf", r.options["type"], method=r.options.get("method"))
         return out
