@@ -141,13 +141,13 @@ def recipes() -> list[Recipe]:
         Recipe("llama.cpp q8_0", "int8w", "gguf", {"type": "q8_0"}),
         Recipe("llama.cpp q4_0", "int4", "gguf", {"type": "q4_0"}),
         Recipe("llama.cpp q4_1", "int4", "gguf", {"type": "q4_1", "method": "rtn"}),
-        Recipe("llama.cpp q4_k_m", "int4", "gguf", {"type": "q4_k_m", "ftype": "Q4_K_M"}),
+        Recipe("llama.cpp q4_k_m", "int4", "gguf", {"ftype": "Q4_K_M"}),
         # llama.cpp's 5- and 6-bit types, from its own quantiser: judged by int4's gate, the loosest one the
         # pipeline deploys a quantised variant under, so no peer fails a stricter gate than llmpipe's 4-bit rows
-        Recipe("llama.cpp q5_0", "int4", "gguf", {"type": "q5_0", "ftype": "Q5_0"}),
-        Recipe("llama.cpp q5_1", "int4", "gguf", {"type": "q5_1", "ftype": "Q5_1"}),
-        Recipe("llama.cpp q5_k_m", "int4", "gguf", {"type": "q5_k_m", "ftype": "Q5_K_M"}),
-        Recipe("llama.cpp q6_k", "int4", "gguf", {"type": "q6_k", "ftype": "Q6_K"}),
+        Recipe("llama.cpp q5_0", "int4", "gguf", {"ftype": "Q5_0"}),
+        Recipe("llama.cpp q5_1", "int4", "gguf", {"ftype": "Q5_1"}),
+        Recipe("llama.cpp q5_k_m", "int4", "gguf", {"ftype": "Q5_K_M"}),
+        Recipe("llama.cpp q6_k", "int4", "gguf", {"ftype": "Q6_K"}),
         Recipe("llmpipe q4_1-hqq", "int4", "gguf", {"type": "q4_1", "method": "hqq"}),
         Recipe("llmpipe q4_1-hqq-lora", "int4", "gguf", {"type": "q4_1", "method": "hqq", "lora": True}),
     ]
