@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -56,6 +57,24 @@ def by_op(trace: list[dict], steps: int) -> list[tuple[str, float, int]]:
     return [(op, us / steps, round(count[op] / steps)) for op, us in total.most_common()]
 
 
+WEIGHT_OPS = ("MatMulNBits", "MatMul", "MatMulInteger")
+_MODULE = re.compile(r"/(lm_head|[a-z_]+_proj)/")
+
+
+def by_weight(trace: list[dict], steps: int) -> list[tuple[str, float, int]]:
+    """The weight matmuls' time by module (lm_head, qkv_proj, gate_proj, ...: the builder's node names), summed
+    over the layers: (module, microseconds per step, nodes per step), most expensive first."""
+    total, count = collections.Counter(), collections.Counter()
+    for event in trace:
+        if event.get("cat") == "Node" and event.get("name", "").endswith("_kernel_time") \
+                and event["args"]["op_name"] in WEIGHT_OPS:
+            match = _MODULE.search(event["name"])
+            module = match.group(1) if match else "other"
+            total[module] += event["dur"]
+            count[module] += 1
+    return [(m, us / steps, round(count[m] / steps)) for m, us in total.most_common()]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("folder", type=Path)
@@ -82,14 +101,22 @@ def main(argv=None) -> None:
     runs = [e for e in trace if e.get("cat") == "Session" and e.get("name") == "model_run"]
     steps = [e for e in trace if e.get("cat") == "Node"]
     first_step = runs[1]["ts"] if len(runs) > 1 else 0
-    rows = by_op([e for e in steps if e["ts"] >= first_step], max(len(runs) - 1, 1))
+    decode_events = [e for e in steps if e["ts"] >= first_step]
+    rows = by_op(decode_events, max(len(runs) - 1, 1))
+    weights = by_weight(decode_events, max(len(runs) - 1, 1))
     kernel = sum(us for _, us, _ in rows) or 1.0
     print(f"{'op type':36s} {'us/step':>9s} {'share':>6s} {'nodes':>6s}")
     for op, us, nodes in rows:
         print(f"{op:36s} {us:9.1f} {us / kernel:6.1%} {nodes:6d}")
+    matmuls = sum(us for _, us, _ in weights) or 1.0
+    print(f"\n{'weight matmuls by module':36s} {'us/step':>9s} {'share':>6s} {'nodes':>6s}")
+    for module, us, nodes in weights:
+        print(f"{module:36s} {us:9.1f} {us / matmuls:6.1%} {nodes:6d}")
     if a.json:
         a.json.write_text(json.dumps({"folder": str(a.folder), "threads": a.threads, "tok_s": speeds,
-                                      "ops": [{"op": op, "us_per_step": us, "nodes": n} for op, us, n in rows]},
+                                      "ops": [{"op": op, "us_per_step": us, "nodes": n} for op, us, n in rows],
+                                      "weights": [{"module": m, "us_per_step": us, "nodes": n}
+                                                  for m, us, n in weights]},
                                      indent=1))
 
 

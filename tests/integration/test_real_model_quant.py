@@ -130,7 +130,8 @@ def test_a_fine_tune_below_a_4bit_step_holds_at_int4_only_with_its_adapter_separ
 
 def test_decode_profile_counts_each_layer_op(smollm2_graphs, tmp_path):
     """benchmarks/decode_profile.py on the real model's fp32 graph: one GroupQueryAttention per layer and
-    per step (the prompt's pass left out), a time for every op type, and its profiler trace not left behind."""
+    per step (the prompt's pass left out), a time for every op type, the weight matmuls split by module (one
+    head, one of each projection per layer), and its profiler trace not left behind."""
     import decode_profile
 
     _, fp32, _, _ = smollm2_graphs
@@ -141,5 +142,8 @@ def test_decode_profile_counts_each_layer_op(smollm2_graphs, tmp_path):
     ops = {row["op"]: row for row in result["ops"]}
     assert ops["GroupQueryAttention"]["nodes"] == 30  # SmolLM2-135M's layers
     assert all(row["us_per_step"] > 0 for row in result["ops"])
+    weights = {row["module"]: row["nodes"] for row in result["weights"]}
+    assert weights == {"lm_head": 1, "qkv_proj": 30, "o_proj": 30, "gate_proj": 30, "up_proj": 30,
+                       "down_proj": 30}, weights
     assert result["tok_s"][0] > 0
     assert not list(fp32.glob("decode_profile*.json"))
