@@ -147,3 +147,24 @@ def test_decode_profile_counts_each_layer_op(smollm2_graphs, tmp_path):
                        "down_proj": 30}, weights
     assert result["tok_s"][0] > 0
     assert not list(fp32.glob("decode_profile*.json"))
+
+
+def test_head_kernels_times_the_real_head_and_scores_each_kernels_error(smollm2_hf, tmp_path):
+    """benchmarks/head_kernels.py on the real model's tied head (49152 x 576): every kernel timed, and the errors
+    against fp32 ordered as the kernels' precision says: the blockwise 8-bit MatMulNBits (int8 activations per
+    block of 32) closer than MatMulInteger (the hidden state quantised with one scale), fp32 exact."""
+    import json
+
+    import head_kernels
+
+    out = tmp_path / "head.json"
+    head_kernels.main(["--hf", str(smollm2_hf), "--threads", "1", "--blocks", "32", "--calls", "2",
+                       "--repeats", "1", "--json", str(out)])
+    result = json.loads(out.read_text())
+    assert result["shape"] == [576, 49152]
+    rows = result["rows"]
+    assert set(rows) == {"fp32 t1", "matmulinteger t1", "nbits8-b32 t1"}
+    assert all(us > 0 for row in rows.values() for us in row["us"])
+    assert rows["fp32 t1"]["rel_error"] == 0.0
+    # measured on this head: 7.4e-3 and 5.3e-2
+    assert 0 < rows["nbits8-b32 t1"]["rel_error"] < 0.02 < rows["matmulinteger t1"]["rel_error"] < 0.2, rows
