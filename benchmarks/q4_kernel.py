@@ -145,7 +145,9 @@ class Kernel:
         self.keep = [kernel_inputs(m) for m in mats]
         self.x = [np.ascontiguousarray(m["x"].reshape(-1)) for m in mats]
         self.y = [np.zeros(m["n"], np.float32) for m in mats]
-        ptrs = lambda arrs: (ctypes.c_void_p * self.n)(*[a.ctypes.data for a in arrs])  # noqa: E731
+        def ptrs(arrs):
+            return (ctypes.c_void_p * self.n)(*[a.ctypes.data for a in arrs])
+
         self.args = ((ctypes.c_int * self.n)(*[m["n"] for m in mats]), (ctypes.c_int * self.n)(*[m["k"] for m in mats]),
                      ptrs([q for q, _, _ in self.keep]), ptrs([d for _, d, _ in self.keep]),
                      ptrs([m for _, _, m in self.keep]), ptrs(self.x), ptrs(self.y))

@@ -16,6 +16,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <time.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 static void quant_x(const float *x, int K, int8_t *xq, float *sx, float *xs) {
   for (int b = 0; b < K / 32; b++) {
@@ -91,8 +94,6 @@ double q4_run(int nmat, const int *N, const int *K, const uint8_t **q, const uin
 #pragma omp parallel num_threads(threads)
       {
 #ifdef _OPENMP
-        extern int omp_get_thread_num(void);
-        extern int omp_get_num_threads(void);
         const int id = omp_get_thread_num(), nt = omp_get_num_threads();
 #else
         const int id = 0, nt = 1;
