@@ -43,9 +43,11 @@ import numpy as np
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
+from llmpipe.infer import native
+
 SOURCE = Path(__file__).resolve().parent / "kernels" / "q4_gemv.c"
+HEADER = native.SOURCES[1]
 LAYER_SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]
-ROW_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # the order the kernel's horizontal adds leave a tile's rows
 
 
 def cpu_has(*flags: str) -> bool:
@@ -68,12 +70,12 @@ def build_kernel(out_dir: Path) -> Path:
         raise SystemExit("q4_kernel: no C compiler (cc) on PATH")
     if not cpu_has("avx2", "fma", "f16c"):
         raise SystemExit("q4_kernel: this CPU lacks AVX2, FMA or F16C, which the kernel needs")
-    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    digest = hashlib.sha256(SOURCE.read_bytes() + HEADER.read_bytes()).hexdigest()[:12]
     lib = out_dir / f"libq4_gemv-{digest}.so"
     if not lib.exists():
         tmp = lib.with_suffix(".tmp.so")
-        subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-o", str(tmp),
-                        str(SOURCE)], check=True)
+        subprocess.run([cc, "-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-shared", "-fPIC", "-I",
+                        str(HEADER.parent), "-o", str(tmp), str(SOURCE)], check=True)
         tmp.replace(lib)
     return lib
 
@@ -106,15 +108,8 @@ def nbits_inputs(mat: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 def kernel_inputs(mat: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The kernel's layout (q4_gemv.c's header): tiles of 8 rows, per block 8 x 16 bytes, then d and m."""
-    n, k = mat["n"], mat["k"]
-    nb, tiles = k // 32, n // 8
-    c = mat["codes"].reshape(tiles, 8, nb, 2, 16)  # [tile, row, block, half, j]
-    q = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)  # byte j: w[j] low, w[j+16] high
-    q = np.ascontiguousarray(q.transpose(0, 2, 1, 3))  # [tile, block, row, 16]
-    d = mat["scales"].reshape(tiles, 8, nb).transpose(0, 2, 1)[:, :, ROW_ORDER]
-    m = (-mat["zeros"].astype(np.float32) * mat["scales"]).reshape(tiles, 8, nb).transpose(0, 2, 1)[:, :, ROW_ORDER]
-    return q, np.ascontiguousarray(d.astype(np.float16)), np.ascontiguousarray(m.astype(np.float16))
+    """The kernel's layout (llmpipe.infer.native.pack): w = d * q + m with m = -zero * d."""
+    return native.pack(mat["codes"], mat["scales"], -mat["zeros"].astype(np.float32) * mat["scales"])
 
 
 def mlas_session(mats: list[dict], threads: int) -> ort.InferenceSession:
@@ -134,6 +129,27 @@ def mlas_session(mats: list[dict], threads: int) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def op_session(mats: list[dict], threads: int) -> ort.InferenceSession:
+    """The same matrices as llmpipe.Q4Gemv nodes (the custom op the int4 graph runs at kernel: llmpipe)."""
+    nodes, inits, inputs, outputs = [], [], [], []
+    for i, mat in enumerate(mats):
+        q, d, m = kernel_inputs(mat)
+        inits += [numpy_helper.from_array(q, f"q{i}"), numpy_helper.from_array(d, f"d{i}"),
+                  numpy_helper.from_array(m, f"m{i}")]
+        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, mat["k"]]))
+        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, mat["n"]]))
+        nodes.append(helper.make_node(native.OP, [f"x{i}", f"q{i}", f"d{i}", f"m{i}"], [f"y{i}"],
+                                      domain=native.DOMAIN, K=mat["k"], N=mat["n"]))
+    graph = helper.make_graph(nodes, "q4_body", inputs, outputs, inits)
+    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(native.DOMAIN, 1)]
+    model = helper.make_model(graph, opset_imports=opsets)
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.register_custom_ops_library(str(native.library()))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
 
@@ -178,32 +194,35 @@ def main(argv: list[str] | None = None) -> int:
         feeds = {f"x{i}": m["x"] for i, m in enumerate(mats)}
         result = {"layers": args.layers, "weights": weights, "rows": {}}
         for threads in [int(t) for t in args.threads.split(",")]:
-            sess = mlas_session(mats, threads)
-            mlas_out = sess.run(None, feeds)
+            sessions = {"mlas": mlas_session(mats, threads), "q4_op": op_session(mats, threads)}
             kernel.run(1, threads)
-            err = {"mlas": rel_error(mlas_out, refs), "q4_gemv": rel_error(kernel.y, refs)}
-            times = {"mlas": [], "q4_gemv": []}
+            err = {name: rel_error(s.run(None, feeds), refs) for name, s in sessions.items()}
+            err["q4_gemv"] = rel_error(kernel.y, refs)
+            times = {"mlas": [], "q4_op": [], "q4_gemv": []}
             for _ in range(args.rounds):
-                best = float("inf")
-                for _ in range(args.reps):
-                    t0 = time.perf_counter()
-                    sess.run(None, feeds)
-                    best = min(best, time.perf_counter() - t0)
-                times["mlas"].append(best)
+                for name, sess in sessions.items():
+                    best = float("inf")
+                    for _ in range(args.reps):
+                        t0 = time.perf_counter()
+                        sess.run(None, feeds)
+                        best = min(best, time.perf_counter() - t0)
+                    times[name].append(best)
                 times["q4_gemv"].append(kernel.run(args.reps, threads))
             row = {}
-            for name in ("mlas", "q4_gemv"):
+            for name in ("mlas", "q4_op", "q4_gemv"):
                 med = statistics.median(times[name])
                 row[name] = {"ms_median": med * 1e3, "ms_min": min(times[name]) * 1e3, "ms_max": max(times[name]) * 1e3,
                              "gweights_per_s": weights / med / 1e9, "rel_error": err[name]}
                 print(f"{threads} thr  {name:8s} {med * 1e3:6.2f} ms ({min(times[name]) * 1e3:.2f}-"
                       f"{max(times[name]) * 1e3:.2f})  {weights / med / 1e9:5.1f} G weights/s  error {err[name]:.2e}")
             row["ratio"] = row["mlas"]["ms_median"] / row["q4_gemv"]["ms_median"]
-            print(f"{threads} thr  q4_gemv / mlas speed: {row['ratio']:.2f}x")
+            row["op_ratio"] = row["mlas"]["ms_median"] / row["q4_op"]["ms_median"]
+            print(f"{threads} thr  speed over mlas: q4_gemv {row['ratio']:.2f}x, q4_op {row['op_ratio']:.2f}x")
             result["rows"][f"{threads}thr"] = row
-            if err["q4_gemv"] > 2 * err["mlas"] + 1e-6:
-                print(f"q4_kernel: the kernel's error {err['q4_gemv']:.2e} is more than twice MLAS's", file=sys.stderr)
-                return 1
+            for name in ("q4_gemv", "q4_op"):
+                if err[name] > 2 * err["mlas"] + 1e-6:
+                    print(f"q4_kernel: {name}'s error {err[name]:.2e} is more than twice MLAS's", file=sys.stderr)
+                    return 1
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -104,6 +104,10 @@ def recipes() -> list[Recipe]:
         Recipe("hqq-b64-head8-acc4-fold", "int4", "hqq", {"block_size": 64, "head8": True, "acc4": True, "fold": True}),
         Recipe("hqq-b128-head8-acc4-fold", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True,
                                                            "fold": True}),
+        # the same HQQ weights on llmpipe's own 4-bit kernel (benchmark.quantize.int4.kernel: llmpipe, the custom op
+        # llmpipe.Q4Gemv: float zero points as they are, no fold), the head at 8 bits on MatMulNBits
+        Recipe("hqq-b32-head8-acc4-q4op", "int4", "hqq", {"block_size": 32, "head8": True, "acc4": True,
+                                                          "kernel": "llmpipe"}),
         Recipe("hqq-b32-head8-fold", "int4", "hqq", {"block_size": 32, "head8": True, "fold": True}),
         Recipe("hqq-b32-acc4-fold", "int4", "hqq", {"block_size": 32, "acc4": True, "fold": True}),
         Recipe("hqq-b128-head8-acc4", "int4", "hqq", {"block_size": 128, "head8": True, "acc4": True}),
@@ -267,7 +271,8 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
         if r.kind == "hqq":
             quantize_weight_only(src, tmp / "model.onnx", 4, r.options["block_size"],
                                  4 if r.options.get("acc4") else 0, False, "hqq", 8 if r.options.get("head8") else None,
-                                 zero_points="integer" if r.options.get("fold") else "float")
+                                 zero_points="integer" if r.options.get("fold") else "float",
+                                 kernel=r.options.get("kernel", "onnxruntime"))
         else:
             quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", 2, r.options["block_size"], 4, True)
         if src != fp32 / "model.onnx":

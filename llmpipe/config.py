@@ -735,6 +735,13 @@ class WeightOnlySection(Section):
                                                    "llmpipe.infer.fold; other widths keep float ones) or float (as "
                                                    "HQQ found them: onnxruntime dequantises them on every call, an "
                                                    "eighth of fp32's speed). rtn's are integer.")
+    kernel: Literal["onnxruntime", "llmpipe"] = Res("onnxruntime", added=True, description="What runs the 4-bit "
+                                                    "matmuls of the ORT graphs: onnxruntime (MatMulNBits, MLAS) or "
+                                                    "llmpipe (llmpipe's own AVX2 kernel, the custom op llmpipe.Q4Gemv "
+                                                    "compiled with the machine's cc on first use: hqq's float zero "
+                                                    "points as they are, no fold; needs 4 bits, hqq, blocks of 32, "
+                                                    "adapter merged, an x86-64 CPU with AVX2, FMA and F16C). The head "
+                                                    "at 8 bits stays MatMulNBits; the portable graphs never change.")
     adapter: Literal["merged", "separate"] = Res("merged", added=True, description="LoRA runs (train.lora), the "
                                                  "ORT-optimised graph: merged (the merged weights quantised) or "
                                                  "separate (the base quantised, the adapter's product appended as "
@@ -763,6 +770,12 @@ class WeightOnlySection(Section):
         if self.zero_points == "float" and self.algorithm != "hqq":
             raise ValueError(f"zero_points=float: algorithm {self.algorithm} has integer zero points only "
                              "(float ones come from algorithm hqq)")
+        if self.kernel == "llmpipe":
+            block = self.ort_block_size or self.block_size
+            if (self.bits, self.algorithm, block, self.adapter) != (4, "hqq", 32, "merged"):
+                raise ValueError(f"kernel=llmpipe: needs bits 4, algorithm hqq, blocks of 32 and adapter merged (what "
+                                 f"llmpipe.Q4Gemv computes), got {self.bits} bits, {self.algorithm}, blocks of "
+                                 f"{block}, adapter {self.adapter}")
         if self.adapter == "separate" and (self.bits, self.algorithm, self.zero_points) != (4, "hqq", "integer"):
             raise ValueError(f"adapter=separate: needs bits 4, algorithm hqq and zero_points integer (the rows are "
                              f"appended to the folded 4-bit nodes), got {self.bits} bits, {self.algorithm}, "
@@ -777,7 +790,8 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
         "__annotations__": {"bits": "int", "block_size": "int", "accuracy_level": "int",
                             "ort_block_size": "int | None", "algorithm": 'Literal["rtn", "hqq"]',
                             "head_bits": "Literal[4, 8] | None", "zero_points": 'Literal["integer", "float"]',
-                            "adapter": 'Literal["merged", "separate"]'},
+                            "adapter": 'Literal["merged", "separate"]',
+                            "kernel": 'Literal["onnxruntime", "llmpipe"]'},
         "bits": Res(bits, description=f"Bits per weight of {name}: 2, 4 or 8 (the widths MatMulNBits packs)."),
         "block_size": Res(block_size, description=f"Input rows per scale of {name}: a power of two, 16 or more."),
         "accuracy_level": Res(accuracy_level, ge=0, le=4, description=f"MatMulNBits compute type of {name}'s "
@@ -797,6 +811,10 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
                        "merged weights quantised) or separate (the base quantised, the adapter's product appended "
                        "as rows of each folded 4-bit node; needs 4 bits, hqq, integer zero points): what keeps a "
                        "fine-tune whose delta is below a 4-bit step. The portable graphs stay merged."),
+        "kernel": Res("onnxruntime", added=True, description=f"What runs {name}'s 4-bit matmuls in the ORT graphs: "
+                      "onnxruntime (MatMulNBits) or llmpipe (llmpipe's own AVX2 kernel, the custom op llmpipe.Q4Gemv, "
+                      "compiled with cc on first use; needs 4 bits, hqq, blocks of 32, adapter merged, a CPU with "
+                      "AVX2, FMA and F16C). An 8-bit head stays MatMulNBits."),
         "__module__": __name__,
     })
 

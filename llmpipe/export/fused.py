@@ -90,7 +90,8 @@ def build_weight_only(hf_dir: Path, out_dir: Path, section, timeout_s: float = 3
     try:
         quantize_weight_only(fp32 / "model.onnx", tmp / "model.onnx", section.bits,
                              section.ort_block_size or section.block_size, section.accuracy_level,
-                             section.symmetric, section.algorithm, section.head_bits, section.zero_points, adapter)
+                             section.symmetric, section.algorithm, section.head_bits, section.zero_points, adapter,
+                             kernel=getattr(section, "kernel", "onnxruntime"))
     except lora_rows.AdapterError as err:
         shutil.rmtree(tmp, ignore_errors=True)
         raise StageError(f"ORT-optimised graph: the separate adapter: {err}") from None

@@ -103,7 +103,8 @@ def _size(src: Path) -> int:
 
 def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accuracy_level: int,
                          symmetric: bool = False, algorithm: str = "rtn", head_bits: int | None = None,
-                         zero_points: str = "integer", adapter=None, merged_hf: Path | None = None) -> list[Path]:
+                         zero_points: str = "integer", adapter=None, merged_hf: Path | None = None,
+                         kernel: str = "onnxruntime") -> list[Path]:
     """Weight-only quantization with onnxruntime's MatMulNBitsQuantizer: every MatMul with a constant
     weight becomes MatMulNBits (`bits`-bit weights in blocks of `block_size` input rows, one fp32 scale
     and zero point per block); activations stay fp32 unless `accuracy_level` 4 (int8 activations inside
@@ -116,10 +117,20 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
     keeps them (its slow path, dequantising every call). `adapter` (llmpipe.infer.lora_rows.Adapter): the
     adapter's product appended as rows of the folded nodes, `src` being the graph of its base (the builder's,
     named by module), or with `merged_hf` (consolidate's hf/) a graph of the merged weights, whose adapted
-    weights get the product taken off first (llmpipe's portable graphs)."""
+    weights get the product taken off first (llmpipe's portable graphs). `kernel` llmpipe: the 4-bit nodes
+    become llmpipe.Q4Gemv (llmpipe.infer.native) with hqq's float zero points as they are, no fold."""
     import onnx
 
-    from llmpipe.infer import fold
+    from llmpipe.infer import fold, native
+
+    if kernel == "llmpipe":
+        # before the quantizer's minutes: a machine that cannot build the op says so now
+        reason = native.unavailable()
+        if reason:
+            raise native.NativeUnavailable(reason)
+        if adapter is not None:
+            raise ValueError("kernel llmpipe takes merged weights only (benchmark.quantize.<variant>.adapter: merged)")
+        zero_points = "float"
 
     # NOTE: the quantizer's module logger has a handler of its own and logs a line per node at INFO.
     own = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -143,6 +154,9 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
         # NOTE: after every quantizer pass: the fold's and the adapter's own MatMuls (block sums, x A^T) stay fp32
         if algorithm == "hqq" and zero_points == "integer":
             fold.fold_model(model, ranks)
+        if kernel == "llmpipe" and native.swap_model(model) == 0:
+            raise ValueError(f"{src.name}: no 4-bit MatMulNBits node llmpipe's kernel takes (blocks of 32, N a "
+                             "multiple of 8)")
         if adapter is not None:
             from llmpipe.infer import lora_rows
 
@@ -294,7 +308,7 @@ def make_variants(fp32_path: Path, names: list[str], out_dir: Path, filename: st
                 merged, adapter = lora[0], lora_rows.Adapter.read(lora[1])
             return quantize_weight_only(src, dst, section.bits, section.block_size, section.accuracy_level,
                                         section.symmetric, section.algorithm, section.head_bits,
-                                        section.zero_points, adapter, merged)
+                                        section.zero_points, adapter, merged, section.kernel)
         return make
 
     def smoothed(variant, src, dst, keep):
@@ -369,7 +383,11 @@ def session_options(threads: int | None) -> ort.SessionOptions:
 
 def create_session(path: Path, provider: OrtProvider, threads: int | None) -> ort.InferenceSession:
     """An InferenceSession on `provider`; raises ProviderUnavailable if onnxruntime fell back to another."""
-    session = ort.InferenceSession(str(path), session_options(threads), providers=[provider.ort_name])
+    from llmpipe.infer import native
+
+    opts = session_options(threads)
+    native.register(opts, path)  # llmpipe's own op library, when the graph uses it (kernel: llmpipe)
+    session = ort.InferenceSession(str(path), opts, providers=[provider.ort_name])
     # NOTE: onnxruntime silently falls back to the CPU provider when the requested one cannot
     # initialise (missing CUDA/CANN libraries); timing that would mislabel the row.
     active = session.get_providers()

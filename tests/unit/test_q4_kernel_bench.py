@@ -29,10 +29,12 @@ def test_kernel_matches_matmulnbits_on_the_same_weights(tmp_path):
         # measured: MLAS 4.8e-3, the kernel 6.0e-3 (fp16 d and m, int8 activations per block of 32 in both)
         assert 0 < row["mlas"]["rel_error"] < 1e-2
         assert 0 < row["q4_gemv"]["rel_error"] < 1.5e-2
+        # the op inside onnxruntime computes exactly what the kernel alone does (the same code, the same rows)
+        assert row["q4_op"]["rel_error"] == pytest.approx(row["q4_gemv"]["rel_error"], rel=1e-6)
         assert row["q4_gemv"]["ms_median"] > 0 and row["ratio"] > 0
 
 
 def test_a_kernel_fed_the_wrong_row_order_is_caught(monkeypatch, capsys):
-    monkeypatch.setattr(q4_kernel, "ROW_ORDER", list(range(8)))  # scales no longer follow the rows
+    monkeypatch.setattr(q4_kernel.native, "ROW_ORDER", list(range(8)))  # scales no longer follow the rows
     assert q4_kernel.main(["--layers", "1", "--threads", "1", "--rounds", "1", "--reps", "1"]) == 1
     assert "more than twice MLAS's" in capsys.readouterr().err

@@ -1,0 +1,220 @@
+"""llmpipe's own 4-bit matmul kernel, as an onnxruntime custom op: `llmpipe.Q4Gemv` (native/q4op.c).
+
+onnxruntime's MatMulNBits (MLAS) streams a 4-bit decode step's weights at about half of one core's read
+rate; llmpipe's kernel (native/q4_kernel.h: AVX2, tiles of 8 output rows sharing each int8 activation
+block, one horizontal add per 8 rows) streams them 1.4x faster on the same codes (benchmarks/q4_kernel.py,
+docs/measurements/quantisation.md). It takes HQQ's float zero points as they are (w = d * q + m, d and m
+fp16), so the graph needs no fold nodes either.
+
+`swap_model` rewrites an ORT-only graph's 4-bit MatMulNBits nodes (blocks of 32, N a multiple of 8) into
+Q4Gemv nodes; the others (the 8-bit head, any other shape) stay MatMulNBits. The portable graphs ATC reads
+never get this op. `library()` compiles the op with the machine's C compiler the first time it is needed
+(argv list, no shell; cached by a hash of the sources and flags, written to a temporary name and renamed, so
+two processes never read a half-written file), and `register(options, graph)` adds it to a session's
+options when the graph uses it. Where it cannot be built (no `cc`, a CPU without AVX2 / FMA / F16C, not
+Linux x86-64) `unavailable()` says why, before any variant is made.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+DOMAIN = "llmpipe"
+OP = "Q4Gemv"
+BLOCK = 32  # weights per block along K
+TILE = 8  # output rows per tile
+ROW_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # a tile's d and m, in the order the kernel's horizontal adds leave rows
+SOURCES = (Path(__file__).resolve().parent / "native" / "q4op.c",
+           Path(__file__).resolve().parent / "native" / "q4_kernel.h")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fvisibility=hidden")
+CPU_FLAGS = ("avx2", "fma", "f16c")
+CACHE_ENV = "LLMPIPE_NATIVE_CACHE"
+
+
+class NativeUnavailable(RuntimeError):
+    """llmpipe's kernel cannot be built or loaded on this machine (the message says why)."""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def compiler() -> str | None:
+    return shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc") or shutil.which("clang")
+
+
+def unavailable() -> str | None:
+    """Why llmpipe's kernel cannot run here, or None."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"llmpipe's 4-bit kernel is written for Linux x86-64 (this is {platform.system()} {platform.machine()})"
+    missing = [f for f in CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        return f"llmpipe's 4-bit kernel needs AVX2, FMA and F16C; this CPU lacks {', '.join(missing)}"
+    if compiler() is None:
+        return "llmpipe's 4-bit kernel is compiled on first use and no C compiler (cc, gcc, clang) is on PATH"
+    return None
+
+
+def cache_dir() -> Path:
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "llmpipe" / "native"
+
+
+def library() -> Path:
+    """The compiled op library (built on first use; NativeUnavailable when it cannot be)."""
+    reason = unavailable()
+    if reason:
+        raise NativeUnavailable(reason)
+    cc = compiler()
+    digest = hashlib.sha256()
+    for src in SOURCES:
+        digest.update(src.read_bytes())
+    digest.update(" ".join((cc, *FLAGS)).encode())
+    folder = cache_dir()
+    lib = folder / f"libllmpipe_q4-{digest.hexdigest()[:16]}.so"
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=lib.stem + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCES[0])], capture_output=True, text=True, timeout=300)
+        if done.returncode != 0:
+            first = (done.stderr.strip().splitlines() or ["?"])[0]
+            raise NativeUnavailable(f"compiling llmpipe's 4-bit kernel with {cc} failed: {first}")
+        os.replace(tmp, lib)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
+    return lib
+
+
+def uses(model) -> bool:
+    """Whether a graph (a ModelProto, or the path of one) imports llmpipe's op domain."""
+    if not hasattr(model, "opset_import"):
+        import onnx
+
+        model = onnx.load(str(model), load_external_data=False)
+    return any(o.domain == DOMAIN for o in model.opset_import)
+
+
+def register(options, graph) -> None:
+    """Adds llmpipe's op library to onnxruntime SessionOptions `options` when `graph` (path) uses it."""
+    if uses(graph):
+        options.register_custom_ops_library(str(library()))
+
+
+# ---- weights ------------------------------------------------------------------------------------------
+
+
+def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes uint8 [N, K] in 0..15, d and m float [N, K / 32] (w = d * q + m) -> the op's (Q, D, M) inputs:
+    uint8 [N/8, K/32, 128], float16 [N/8, K/32, 8] twice (native/q4_kernel.h's layout)."""
+    n, k = codes.shape
+    nb, tiles = k // BLOCK, n // TILE
+    c = codes.reshape(tiles, TILE, nb, 2, 16)  # [tile, row, block, half, j]
+    q = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)  # byte j: w[j] low nibble, w[j + 16] high
+    q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(tiles, nb, TILE * 16)
+
+    def rows(v):
+        v = np.asarray(v, np.float32).reshape(tiles, TILE, nb).transpose(0, 2, 1)[:, :, ROW_ORDER]
+        return np.ascontiguousarray(v.astype(np.float16))
+
+    return q, rows(d), rows(m)
+
+
+def unpack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """pack's inverse: (codes [N, K], d [N, K/32], m [N, K/32]) as float32 where float."""
+    tiles, nb = q.shape[:2]
+    b = q.reshape(tiles, nb, TILE, 16).transpose(0, 2, 1, 3)  # [tile, row, block, j]
+    codes = np.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(tiles * TILE, nb * BLOCK)
+    inverse = np.argsort(ROW_ORDER)
+
+    def rows(v):
+        return v.astype(np.float32)[:, :, inverse].transpose(0, 2, 1).reshape(tiles * TILE, nb)
+
+    return codes.astype(np.uint8), rows(d), rows(m)
+
+
+def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """The [K, N] float weight a Q4Gemv node computes with (for tests and checks)."""
+    codes, dd, mm = unpack(q, d, m)
+    w = codes.reshape(codes.shape[0], -1, BLOCK) * dd[..., None] + mm[..., None]
+    return w.reshape(codes.shape[0], -1).T
+
+
+def _nbits_weight(node, inits, attrs) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """A MatMulNBits node's (codes [N, K], d, m) when the op can take it (4 bits, blocks of 32, K and N whole
+    tiles, no g_idx or bias), else None."""
+    from onnx import numpy_helper
+
+    from llmpipe.infer.fold import unpack4
+
+    k, n = attrs.get("K"), attrs.get("N")
+    if (attrs.get("bits", 4) != 4 or attrs.get("block_size") != BLOCK or not k or not n or k % BLOCK or n % TILE
+            or any(node.input[4:]) or node.input[1] not in inits or node.input[2] not in inits
+            or (len(node.input) > 3 and node.input[3] and node.input[3] not in inits)):
+        return None
+    nb = k // BLOCK
+    codes = unpack4(numpy_helper.to_array(inits[node.input[1]]).reshape(n, nb, BLOCK // 2)).reshape(n, k)
+    s = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(n, nb)
+    if len(node.input) > 3 and node.input[3]:
+        zp = numpy_helper.to_array(inits[node.input[3]])
+        z = (zp.astype(np.float32).reshape(n, nb) if zp.dtype != np.uint8
+             else unpack4(zp.reshape(n, -1))[:, :nb].astype(np.float32))
+    else:
+        z = np.full((n, nb), 8.0, np.float32)
+    return codes, s, -z * s
+
+
+def swap_model(model) -> int:
+    """Rewrites, in place, every MatMulNBits node of `model` (a ModelProto) the op can take (_nbits_weight)
+    into a Q4Gemv node over the same weights, and imports llmpipe's domain. Returns how many it rewrote."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    inits = {t.name: t for t in graph.initializer}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    swapped, dead, new_inits = 0, set(), []
+    for i, node in enumerate(graph.node):
+        if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        weight = _nbits_weight(node, inits, attrs)
+        if weight is None:
+            continue
+        q, d, m = pack(*weight)
+        base = (node.name or node.output[0]).replace("/", "_").replace(":", "_") + "_q4"
+        new_inits += [numpy_helper.from_array(q, base + "_q"), numpy_helper.from_array(d, base + "_d"),
+                      numpy_helper.from_array(m, base + "_m")]
+        dead.update(x for x in node.input[1:4] if x and readers.get(x) == 1)
+        new = helper.make_node(OP, [node.input[0], base + "_q", base + "_d", base + "_m"], list(node.output),
+                               name=node.name, domain=DOMAIN, K=attrs["K"], N=attrs["N"])
+        graph.node[i].CopyFrom(new)
+        swapped += 1
+    if swapped:
+        kept = [t for t in graph.initializer if t.name not in dead]
+        del graph.initializer[:]
+        graph.initializer.extend(kept + new_inits)
+        if not any(o.domain == DOMAIN for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+    return swapped

@@ -1,0 +1,259 @@
+/* llmpipe.Q4Gemv: llmpipe's 4-bit matmul kernel (q4_kernel.h) as an onnxruntime custom op.
+ *
+ *   Q4Gemv(A float [..., K], Q uint8 [N/8, K/32, 128], D float16 [N/8, K/32, 8], M float16 [N/8, K/32, 8])
+ *     -> Y float [..., N]          attributes K, N (int64)
+ *
+ * onnxruntime loads this library through SessionOptions.register_custom_ops_library, which calls
+ * RegisterCustomOps below. Its C API headers are not in the onnxruntime wheel (and no registry this project
+ * installs from serves them), so the few declarations used are written here from the documented ABI: the
+ * OrtApiBase struct, the OrtCustomOp struct (fields in their documented order, `version` telling onnxruntime
+ * which it may read), and the OrtApi function table, append-only since 1.0, read by slot index. The slots
+ * are checked when the library registers: the slot of GetBuildInfoString must return onnxruntime's build
+ * string, or registration fails with that message instead of calling a wrong function.
+ *
+ * The weights' matmul runs in tiles of 8 output rows split across onnxruntime's intra-op threads
+ * (KernelContext_ParallelFor); the activation is quantised once per call, in a buffer of the call's own.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "q4_kernel.h"
+
+/* ---- the onnxruntime ABI, as documented (onnxruntime_c_api.h) ---------------------------------------- */
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtTensorTypeAndShapeInfo OrtTensorTypeAndShapeInfo;
+typedef void *OrtApiTable; /* the OrtApi struct: function pointers only, read by slot */
+
+typedef struct OrtApiBase {
+  const OrtApiTable *(*GetApi)(uint32_t version);
+  const char *(*GetVersionString)(void);
+} OrtApiBase;
+
+enum { ORT_OK = 0, ORT_FAIL = 1, ORT_INVALID_ARGUMENT = 2 };                     /* OrtErrorCode */
+enum { T_FLOAT = 1, T_UINT8 = 2, T_FLOAT16 = 10 };                               /* ONNXTensorElementDataType */
+
+typedef struct OrtCustomOp {
+  uint32_t version;
+  void *(*CreateKernel)(const struct OrtCustomOp *, const void *, const OrtKernelInfo *);
+  const char *(*GetName)(const struct OrtCustomOp *);
+  const char *(*GetExecutionProviderType)(const struct OrtCustomOp *);
+  int (*GetInputType)(const struct OrtCustomOp *, size_t);
+  size_t (*GetInputTypeCount)(const struct OrtCustomOp *);
+  int (*GetOutputType)(const struct OrtCustomOp *, size_t);
+  size_t (*GetOutputTypeCount)(const struct OrtCustomOp *);
+  void (*KernelCompute)(void *, OrtKernelContext *);
+  void (*KernelDestroy)(void *);
+  int (*GetInputCharacteristic)(const struct OrtCustomOp *, size_t);
+  int (*GetOutputCharacteristic)(const struct OrtCustomOp *, size_t);
+  int (*GetInputMemoryType)(const struct OrtCustomOp *, size_t);
+  int (*GetVariadicInputMinArity)(const struct OrtCustomOp *);
+  int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp *);
+  int (*GetVariadicOutputMinArity)(const struct OrtCustomOp *);
+  int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp *);
+  OrtStatus *(*CreateKernelV2)(const struct OrtCustomOp *, const void *, const OrtKernelInfo *, void **);
+  OrtStatus *(*KernelComputeV2)(void *, OrtKernelContext *);
+  void *InferOutputShapeFn, *GetStartVersion, *GetEndVersion, *GetMayInplace, *ReleaseMayInplace, *GetAliasMap,
+      *ReleaseAliasMap; /* read only by onnxruntime for op versions above the one declared here */
+} OrtCustomOp;
+
+#define API_VERSION 20      /* the OrtApi asked for: KernelContext_ParallelFor is in it (onnxruntime >= 1.20) */
+#define OP_VERSION 16       /* OrtCustomOp fields through KernelComputeV2 */
+
+/* OrtApi slots (0-based) */
+enum {
+  S_CreateStatus = 0,
+  S_CreateCustomOpDomain = 26,
+  S_CustomOpDomain_Add = 27,
+  S_AddCustomOpDomain = 28,
+  S_GetTensorMutableData = 51,
+  S_GetDimensionsCount = 61,
+  S_GetDimensions = 62,
+  S_GetTensorShapeElementCount = 64,
+  S_GetTensorTypeAndShape = 65,
+  S_KernelInfoGetAttribute_int64 = 86,
+  S_KernelContext_GetInput = 90,
+  S_KernelContext_GetOutput = 91,
+  S_ReleaseStatus = 93,
+  S_ReleaseTensorTypeAndShapeInfo = 99,
+  S_GetBuildInfoString = 254,
+  S_KernelContext_ParallelFor = 274,
+};
+
+static const OrtApiTable *api;
+#define FN(slot, type) ((type)api[slot])
+
+static OrtStatus *status(int code, const char *msg) {
+  return FN(S_CreateStatus, OrtStatus *(*)(int, const char *))(code, msg);
+}
+
+#define TRY(call)                     \
+  do {                                \
+    OrtStatus *st_ = (call);          \
+    if (st_) return st_;              \
+  } while (0)
+
+/* ---- the op ------------------------------------------------------------------------------------------- */
+typedef struct {
+  int64_t K, N;
+} Kernel;
+
+static const char *op_name(const OrtCustomOp *op) { (void)op; return "Q4Gemv"; }
+static const char *op_ep(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
+static int op_input_type(const OrtCustomOp *op, size_t i) {
+  (void)op;
+  return i == 0 ? T_FLOAT : i == 1 ? T_UINT8 : T_FLOAT16;
+}
+static size_t op_input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static int op_output_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return T_FLOAT; }
+static size_t op_output_count(const OrtCustomOp *op) { (void)op; return 1; }
+static int op_required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; /* INPUT_OUTPUT_REQUIRED */ }
+static int op_mem_default(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; /* OrtMemTypeDefault */ }
+static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
+static void op_destroy(void *k) { free(k); }
+
+static OrtStatus *op_create(const OrtCustomOp *op, const void *a, const OrtKernelInfo *info, void **out) {
+  (void)op, (void)a;
+  typedef OrtStatus *(*GetInt)(const OrtKernelInfo *, const char *, int64_t *);
+  Kernel *k = calloc(1, sizeof *k);
+  if (!k) return status(ORT_FAIL, "llmpipe.Q4Gemv: out of memory");
+  OrtStatus *st = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "K", &k->K);
+  if (!st) st = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "N", &k->N);
+  if (!st && (k->K <= 0 || k->N <= 0 || k->K % Q4_BLOCK || k->N % Q4_TILE || k->K > (1 << 20) || k->N > (1 << 24)))
+    st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: K must be a positive multiple of 32 and N of 8");
+  if (st) {
+    free(k);
+    return st;
+  }
+  *out = k;
+  return NULL;
+}
+
+/* the dims of input `i` (at most 8) and its element count */
+static OrtStatus *input(OrtKernelContext *ctx, size_t i, const OrtValue **v, int64_t *dims, size_t *rank,
+                        size_t *count) {
+  TRY(FN(S_KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(ctx, i, v));
+  OrtTensorTypeAndShapeInfo *info;
+  TRY(FN(S_GetTensorTypeAndShape, OrtStatus *(*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))(*v, &info));
+  OrtStatus *st = FN(S_GetDimensionsCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, rank);
+  if (!st && *rank > 8) st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: an input of rank above 8");
+  if (!st)
+    st = FN(S_GetDimensions, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, int64_t *, size_t))(info, dims, *rank);
+  if (!st)
+    st = FN(S_GetTensorShapeElementCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, count);
+  FN(S_ReleaseTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo *))(info);
+  return st;
+}
+
+static OrtStatus *data(const OrtValue *v, void **p) {
+  return FN(S_GetTensorMutableData, OrtStatus *(*)(OrtValue *, void **))((OrtValue *)v, p);
+}
+
+typedef struct {
+  int M, K, N, tiles, chunk;
+  const uint8_t *q;
+  const uint16_t *d, *m;
+  const int8_t *xq;
+  const float *sx, *xs;
+  float *y;
+} Job;
+
+static void run_chunk(void *p, size_t i) {
+  const Job *j = p;
+  const int t0 = (int)i * j->chunk, t1 = t0 + j->chunk < j->tiles ? t0 + j->chunk : j->tiles;
+  q4_tiles(j->M, j->K, j->N, j->q, j->d, j->m, j->xq, j->sx, j->xs, j->y, t0, t1);
+}
+
+static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
+  const Kernel *k = kp;
+  const int K = (int)k->K, N = (int)k->N, nb = K / Q4_BLOCK, tiles = N / Q4_TILE;
+  const OrtValue *a, *w[3];
+  int64_t dims[8], wd[8];
+  size_t rank, count, wrank, wcount;
+  TRY(input(ctx, 0, &a, dims, &rank, &count));
+  if (rank < 1 || dims[rank - 1] != K) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: A's last dim is not K");
+  const size_t want[3] = {(size_t)tiles * nb * 128, (size_t)tiles * nb * 8, (size_t)tiles * nb * 8};
+  void *wp[3], *ap, *yp;
+  for (int i = 0; i < 3; i++) {
+    TRY(input(ctx, 1 + i, &w[i], wd, &wrank, &wcount));
+    if (wcount != want[i]) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: a weight input's size does not fit K, N");
+    TRY(data(w[i], &wp[i]));
+  }
+  TRY(data(a, &ap));
+  dims[rank - 1] = N;
+  OrtValue *y;
+  TRY(FN(S_KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
+      ctx, 0, dims, rank, &y));
+  TRY(data(y, &yp));
+  const size_t M = count / (size_t)K;
+  if (M == 0) return NULL;
+  /* the activation rows as q4_quant_row leaves them, back to back */
+  int8_t *xq = malloc(M * (size_t)K * 2);
+  float *sx = malloc(M * nb * sizeof(float)), *xs = malloc(M * nb * sizeof(float));
+  if (!xq || !sx || !xs) {
+    free(xq), free(sx), free(xs);
+    return status(ORT_FAIL, "llmpipe.Q4Gemv: out of memory for the activation buffer");
+  }
+  const float *x = ap;
+  for (size_t r = 0; r < M; r++) q4_quant_row(x + r * K, K, xq + r * (size_t)K * 2, sx + r * nb, xs + r * nb);
+  /* chunks of about 64 KB of weights (more with fewer rows): enough of them to share between threads */
+  int chunk = (int)(65536 / ((size_t)nb * 144));
+  chunk = chunk < 1 ? 1 : chunk;
+  Job job = {(int)M, K, N, tiles, chunk, wp[0], wp[1], wp[2], xq, sx, xs, yp};
+  const size_t chunks = (size_t)(tiles + chunk - 1) / chunk;
+  OrtStatus *st = NULL;
+  if (chunks > 1)
+    st = FN(S_KernelContext_ParallelFor, OrtStatus *(*)(const OrtKernelContext *, void (*)(void *, size_t), size_t,
+                                                         size_t, void *))(ctx, run_chunk, chunks, 0, &job);
+  else
+    run_chunk(&job, 0);
+  free(xq), free(sx), free(xs);
+  return st;
+}
+
+static OrtCustomOp the_op = {
+    .version = OP_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_ep,
+    .GetInputType = op_input_type,
+    .GetInputTypeCount = op_input_count,
+    .GetOutputType = op_output_type,
+    .GetOutputTypeCount = op_output_count,
+    .KernelDestroy = op_destroy,
+    .GetInputCharacteristic = op_required,
+    .GetOutputCharacteristic = op_required,
+    .GetInputMemoryType = op_mem_default,
+    .GetVariadicInputMinArity = op_one,
+    .GetVariadicInputHomogeneity = op_one,
+    .GetVariadicOutputMinArity = op_one,
+    .GetVariadicOutputHomogeneity = op_one,
+    .CreateKernelV2 = op_create,
+    .KernelComputeV2 = op_compute,
+};
+
+/* The domains made so far: onnxruntime keeps a pointer to each for the life of the sessions using it. */
+static OrtCustomOpDomain *domains[256];
+static int ndomains;
+
+__attribute__((visibility("default"))) OrtStatus *RegisterCustomOps(OrtSessionOptions *options,
+                                                                     const OrtApiBase *base) {
+  const OrtApiTable *t = base->GetApi(API_VERSION);
+  if (!t) return NULL; /* an onnxruntime older than 1.20: the session then fails naming the op it lacks */
+  api = t;
+  const char *build = FN(S_GetBuildInfoString, const char *(*)(void))();
+  if (!build || strncmp(build, "ORT Build Info", 14) != 0)
+    return status(ORT_FAIL, "llmpipe.Q4Gemv: this onnxruntime's API table is not the layout the library was "
+                            "written for (GetBuildInfoString's slot)");
+  if (ndomains == (int)(sizeof domains / sizeof *domains))
+    return status(ORT_FAIL, "llmpipe.Q4Gemv: registered in too many session options in one process");
+  OrtCustomOpDomain *domain;
+  TRY(FN(S_CreateCustomOpDomain, OrtStatus *(*)(const char *, OrtCustomOpDomain **))("llmpipe", &domain));
+  domains[ndomains++] = domain;
+  TRY(FN(S_CustomOpDomain_Add, OrtStatus *(*)(OrtCustomOpDomain *, const OrtCustomOp *))(domain, &the_op));
+  return FN(S_AddCustomOpDomain, OrtStatus *(*)(OrtSessionOptions *, OrtCustomOpDomain *))(options, domain);
+}
