@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
+from llmpipe.infer import native
 from llmpipe.infer.fused import FusedEngine, GraphConfig
 from llmpipe.infer.ort import session_options
 
@@ -32,6 +33,7 @@ def engine(folder: Path, threads: int, cache: int, profile_prefix: str | None = 
     if profile_prefix:
         opts.enable_profiling = True
         opts.profile_file_prefix = profile_prefix
+    native.register(opts, folder / "model.onnx")  # llmpipe.Q4Gemv, when the graph uses it
     session = ort.InferenceSession(str(folder / "model.onnx"), opts, providers=["CPUExecutionProvider"])
     return FusedEngine(session, GraphConfig.read(folder), cache)
 

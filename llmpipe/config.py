@@ -740,12 +740,12 @@ class WeightOnlySection(Section):
                                                     "llmpipe (llmpipe's own AVX2 kernel, the custom op llmpipe.Q4Gemv "
                                                     "compiled with the machine's cc on first use: hqq's float zero "
                                                     "points as they are, no fold; needs 4 bits, hqq, blocks of 32, "
-                                                    "adapter merged, an x86-64 CPU with AVX2, FMA and F16C). The head "
+                                                    "an x86-64 CPU with AVX2, FMA and F16C). The head "
                                                     "at 8 bits stays MatMulNBits; the portable graphs never change.")
     adapter: Literal["merged", "separate"] = Res("merged", added=True, description="LoRA runs (train.lora), the "
                                                  "ORT-optimised graph: merged (the merged weights quantised) or "
                                                  "separate (the base quantised, the adapter's product appended as "
-                                                 "rows of each folded 4-bit node: llmpipe.infer.lora_rows; needs 4 "
+                                                 "rows of each 4-bit node: llmpipe.infer.lora_rows; needs 4 "
                                                  "bits, hqq, integer zero points). Separate keeps a fine-tune whose "
                                                  "delta is below a 4-bit step (a base that came from a 4-bit file), "
                                                  "which merged 4-bit undoes. The portable graphs stay merged.")
@@ -772,14 +772,15 @@ class WeightOnlySection(Section):
                              "(float ones come from algorithm hqq)")
         if self.kernel == "llmpipe":
             block = self.ort_block_size or self.block_size
-            if (self.bits, self.algorithm, block, self.adapter) != (4, "hqq", 32, "merged"):
-                raise ValueError(f"kernel=llmpipe: needs bits 4, algorithm hqq, blocks of 32 and adapter merged (what "
-                                 f"llmpipe.Q4Gemv computes), got {self.bits} bits, {self.algorithm}, blocks of "
-                                 f"{block}, adapter {self.adapter}")
-        if self.adapter == "separate" and (self.bits, self.algorithm, self.zero_points) != (4, "hqq", "integer"):
-            raise ValueError(f"adapter=separate: needs bits 4, algorithm hqq and zero_points integer (the rows are "
-                             f"appended to the folded 4-bit nodes), got {self.bits} bits, {self.algorithm}, "
-                             f"{self.zero_points} zero points")
+            if (self.bits, self.algorithm, block) != (4, "hqq", 32):
+                raise ValueError(f"kernel=llmpipe: needs bits 4, algorithm hqq and blocks of 32 (what llmpipe.Q4Gemv "
+                                 f"computes), got {self.bits} bits, {self.algorithm}, blocks of {block}")
+        rows_fit = self.bits == 4 and self.algorithm == "hqq" and (self.zero_points == "integer"
+                                                                  or self.kernel == "llmpipe")
+        if self.adapter == "separate" and not rows_fit:
+            raise ValueError(f"adapter=separate: needs bits 4, algorithm hqq and zero_points integer, or kernel "
+                             f"llmpipe (the rows are appended to the 4-bit nodes), got {self.bits} bits, "
+                             f"{self.algorithm}, {self.zero_points} zero points, kernel {self.kernel}")
         return self
 
 
@@ -813,7 +814,7 @@ def _weight_only(name: str, bits: int, block_size: int, accuracy_level: int, ort
                        "fine-tune whose delta is below a 4-bit step. The portable graphs stay merged."),
         "kernel": Res("onnxruntime", added=True, description=f"What runs {name}'s 4-bit matmuls in the ORT graphs: "
                       "onnxruntime (MatMulNBits) or llmpipe (llmpipe's own AVX2 kernel, the custom op llmpipe.Q4Gemv, "
-                      "compiled with cc on first use; needs 4 bits, hqq, blocks of 32, adapter merged, a CPU with "
+                      "compiled with cc on first use; needs 4 bits, hqq, blocks of 32, a CPU with "
                       "AVX2, FMA and F16C). An 8-bit head stays MatMulNBits."),
         "__module__": __name__,
     })

@@ -38,7 +38,7 @@ double q4_run(int nmat, const int *N, const int *K, const uint8_t **q, const uin
 #else
         const int id = 0, nt = 1;
 #endif
-        q4_tiles(1, K[i], N[i], q[i], d[i], m[i], xq, sx, xs, y[i], tiles * id / nt, tiles * (id + 1) / nt);
+        q4_tiles(1, K[i], N[i], 4, q[i], d[i], m[i], xq, sx, xs, y[i], tiles * id / nt, tiles * (id + 1) / nt);
       }
     }
     const double dt = now() - t0;

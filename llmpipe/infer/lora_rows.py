@@ -167,47 +167,54 @@ def take_off(model, hf_dir: Path, adapter: Adapter) -> dict[str, tuple[int, tupl
 
 
 def attach(model, adapter: Adapter, modules: dict[str, tuple[int, tuple[str, ...]]] | None = None) -> int:
-    """Rewrites `model` (a ModelProto whose 4-bit MatMulNBits nodes were folded by llmpipe.infer.fold) in place
-    so that it computes the base plus `adapter` (module docstring). Which module a node computes: its name as
-    the builder names it, or `modules` (take_off's: MatMul node name, before the quantizer's _Q4 suffix, ->
-    (layer, modules)). Returns the nodes changed; AdapterError when a module of the adapter has no folded
-    node, or a shape does not match."""
+    """Rewrites `model` (a ModelProto whose 4-bit MatMulNBits nodes were folded by llmpipe.infer.fold, or kept
+    HQQ's float zero points for llmpipe's own kernel) in place so that it computes the base plus `adapter`
+    (module docstring). Which module a node computes: its name as the builder names it, or `modules`
+    (take_off's: MatMul node name, before the quantizer's _Q4 suffix, -> (layer, modules)). A folded node's
+    concat(x, S) becomes concat(x, x A^T, S); an unfolded node reads a new concat(x, x A^T), its rows after the
+    base's blocks with float zero points like the base's. Returns the nodes changed; AdapterError when a module
+    of the adapter has no such node, or a shape does not match."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
     inits = {t.name: t for t in graph.initializer}
     producers = {o: n for n in graph.node for o in n.output}
-    # the folded nodes, grouped by their concat(x, S)
-    readers: dict[str, list] = {}  # concat -> every folded node reading it
+    # the 4-bit nodes, grouped by what they read: a fold's concat(x, S) (its name), or x itself (unfolded)
+    readers: dict[str, list] = {}
+    folded: set[str] = set()
     for node in graph.node:
         if node.op_type != "MatMulNBits":
             continue
         concat = producers.get(node.input[0])
-        if concat is None or concat.op_type != "Concat" or not concat.name.endswith("_concat"):
+        if concat is not None and concat.op_type == "Concat" and concat.name.endswith("_concat"):
+            key = concat.name
+            folded.add(key)
+        elif _float_zero_points(node, inits):
+            key = node.input[0]
+        else:
             continue
         if modules is not None:
             layer, pack = modules.get(node.name.removesuffix("_Q4"), (-1, ()))
-            readers.setdefault(concat.name, []).append((node, layer, pack))
+            readers.setdefault(key, []).append((node, layer, pack))
             continue
         m = _NODE.search(node.name)
-        if m is None:  # a folded node of no projection (the input is shared: it gets zero rows)
-            readers.setdefault(concat.name, []).append((node, -1, ()))
+        if m is None:  # a 4-bit node of no projection (the input is shared: it gets zero rows)
+            readers.setdefault(key, []).append((node, -1, ()))
             continue
-        readers.setdefault(concat.name, []).append((node, int(m.group(1)), _PACKED.get(m.group(2), (m.group(2),))))
+        readers.setdefault(key, []).append((node, int(m.group(1)), _PACKED.get(m.group(2), (m.group(2),))))
     # the inputs an adapted module reads, with all their readers (a module the adapter leaves alone: zero rows)
     groups = {c: nodes for c, nodes in readers.items()
               if any((layer, mod) in adapter.tensors for _, layer, mods in nodes for mod in mods)}
     attached = {(layer, mod) for nodes in groups.values() for _, layer, mods in nodes for mod in mods}
     missing = sorted(set(adapter.tensors) - attached)
     if missing:
-        raise AdapterError(f"the adapter's layer {missing[0][0]} {missing[0][1]} has no folded 4-bit node in the graph "
-                           "(a separate adapter needs benchmark.quantize.int4 at algorithm hqq, zero_points integer)")
+        raise AdapterError(f"the adapter's layer {missing[0][0]} {missing[0][1]} has no 4-bit node in the graph "
+                           "(a separate adapter needs benchmark.quantize.int4 at bits 4, algorithm hqq)")
     concats = {n.name: n for n in graph.node if n.op_type == "Concat"}
-    plan = [(cname, *_rows(nodes, adapter)) for cname, nodes in groups.items()]  # every check before any change
-    new_nodes: dict[str, list] = {}  # concat name -> the nodes computing x A^T, placed before it
-    for cname, a_all, rows in plan:
-        concat = concats[cname]
-        x = concat.input[0]
+    plan = [(key, *_rows(nodes, adapter, key in folded)) for key, nodes in groups.items()]  # every check first
+    new_nodes: dict[str, list] = {}  # node name -> the nodes computing x A^T (and the concat), placed before it
+    for key, a_all, rows in plan:
+        x = concats[key].input[0] if key in folded else key
         for node, node_rows, nb, block in rows:
             _insert_rows(inits, node, node_rows, nb, block)
             for attr in node.attribute:
@@ -215,10 +222,19 @@ def attach(model, adapter: Adapter, modules: dict[str, tuple[int, tuple[str, ...
                     attr.i += node_rows.shape[0]
         name = f"{x}_lora".replace("/", "_").replace(":", "_")
         graph.initializer.append(numpy_helper.from_array(a_all, name + "_A"))
-        new_nodes[cname] = [helper.make_node("MatMul", [x, name + "_A"], [name + "_xa"], name=name + "_matmul")]
-        inputs = list(concat.input)
-        del concat.input[:]
-        concat.input.extend([inputs[0], name + "_xa", *inputs[1:]])
+        added = [helper.make_node("MatMul", [x, name + "_A"], [name + "_xa"], name=name + "_matmul")]
+        if key in folded:
+            concat = concats[key]
+            inputs = list(concat.input)
+            del concat.input[:]
+            concat.input.extend([inputs[0], name + "_xa", *inputs[1:]])
+            new_nodes[concat.name] = added
+        else:
+            added.append(helper.make_node("Concat", [x, name + "_xa"], [name + "_x"], axis=-1, name=name + "_xcat"))
+            for node, _, _, _ in rows:
+                node.input[0] = name + "_x"
+            first = next(n for n in graph.node if n.name in {r[0].name for r in rows})
+            new_nodes[first.name] = added
     ordered = []
     for node in graph.node:
         ordered += new_nodes.get(node.name, [])
@@ -228,8 +244,17 @@ def attach(model, adapter: Adapter, modules: dict[str, tuple[int, tuple[str, ...
     return sum(len(rows) for _, _, rows in plan)
 
 
-def _rows(nodes: list, adapter: Adapter) -> tuple[np.ndarray, list]:
-    """For the folded nodes reading one input: A^T of their modules side by side ([K, R] padded to whole
+def _float_zero_points(node, inits: dict) -> bool:
+    """A 4-bit MatMulNBits node with HQQ's float zero points (unfolded)."""
+    from onnx import TensorProto, helper
+
+    bits = next((helper.get_attribute_value(a) for a in node.attribute if a.name == "bits"), 4)
+    zp = inits.get(node.input[3]) if len(node.input) > 3 else None
+    return bits == ZP_BITS and zp is not None and zp.data_type in (TensorProto.FLOAT, TensorProto.FLOAT16)
+
+
+def _rows(nodes: list, adapter: Adapter, folded: bool = True) -> tuple[np.ndarray, list]:
+    """For the 4-bit nodes reading one input: A^T of their modules side by side ([K, R] padded to whole
     blocks) and per node (node, its rows s B^T [R, N], its base blocks, block size). AdapterError on a
     mismatch."""
     from onnx import helper
@@ -238,10 +263,10 @@ def _rows(nodes: list, adapter: Adapter) -> tuple[np.ndarray, list]:
     block = attrs[0]["block_size"]
     if any(at["block_size"] != block or at.get("bits", 4) != ZP_BITS for at in attrs):
         raise AdapterError(f"{nodes[0][0].name}: the nodes reading its input differ in block size or width")
-    k_folded = attrs[0]["K"]
-    if k_folded * block % (block + 1) or any(at["K"] != k_folded for at in attrs):
-        raise AdapterError(f"{nodes[0][0].name}: K={k_folded} is not a folded node's")
-    k = k_folded * block // (block + 1)  # the input's width: the fold appended k / block sums
+    k_node = attrs[0]["K"]
+    if (folded and k_node * block % (block + 1)) or any(at["K"] != k_node for at in attrs):
+        raise AdapterError(f"{nodes[0][0].name}: K={k_node} is not a folded node's")
+    k = k_node * block // (block + 1) if folded else k_node  # a fold appended k / block sums
     columns: list[np.ndarray] = []  # A^T of each module, side by side
     offsets: dict[tuple[int, str], int] = {}
     for _, layer, modules in nodes:
@@ -314,13 +339,14 @@ def _insert_rows(inits: dict, node, rows: np.ndarray, nb: int, block: int) -> No
     total = packed.size // (n * block // 2)
     q = unpack4(packed.reshape(n, total, block // 2))
     s = scales.reshape(n, total)
-    z = unpack4(zp.reshape(n, -1))[:, :total]
+    as_float = zp.dtype != np.uint8  # HQQ's float zero points, unfolded (llmpipe's kernel): the rows' as floats
+    z = zp.reshape(n, total) if as_float else unpack4(zp.reshape(n, -1))[:, :total]
     rq, rs, rz = quantize_rows(rows, block)
     q = np.concatenate([q[:, :nb], rq, q[:, nb:]], axis=1)
     s = np.concatenate([s[:, :nb], rs.astype(s.dtype), s[:, nb:]], axis=1)
-    z = np.concatenate([z[:, :nb], rz, z[:, nb:]], axis=1)
+    z = np.concatenate([z[:, :nb], rz.astype(z.dtype), z[:, nb:]], axis=1)
     for name, arr in ((node.input[1], pack4(q)), (node.input[2], s.reshape(-1)),
-                      (node.input[3], pack4(z).reshape(-1))):
+                      (node.input[3], z.reshape(-1) if as_float else pack4(z).reshape(-1))):
         inits[name].CopyFrom(numpy_helper.from_array(arr, name))
 
 

@@ -7,7 +7,8 @@ docs/measurements/quantisation.md). It takes HQQ's float zero points as they are
 fp16), so the graph needs no fold nodes either.
 
 `swap_model` rewrites an ORT-only graph's 4-bit MatMulNBits nodes (blocks of 32, N a multiple of 8) into
-Q4Gemv nodes; the others (the 8-bit head, any other shape) stay MatMulNBits. The portable graphs ATC reads
+Q4Gemv nodes, and with `eight` its 8-bit ones (the head at 8 bits: two nibble planes of the same kernel);
+the others (any other shape or width) stay MatMulNBits. The portable graphs ATC reads
 never get this op. `library()` compiles the op with the machine's C compiler the first time it is needed
 (argv list, no shell; cached by a hash of the sources and flags, written to a temporary name and renamed, so
 two processes never read a half-written file), and `register(options, graph)` adds it to a session's
@@ -123,14 +124,19 @@ def register(options, graph) -> None:
 # ---- weights ------------------------------------------------------------------------------------------
 
 
-def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """codes uint8 [N, K] in 0..15, d and m float [N, K / 32] (w = d * q + m) -> the op's (Q, D, M) inputs:
-    uint8 [N/8, K/32, 128], float16 [N/8, K/32, 8] twice (native/q4_kernel.h's layout)."""
+def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """codes uint8 [N, K] in 0..2^bits - 1, d and m float [N, K / 32] (w = d * q + m) -> the op's (Q, D, M)
+    inputs: uint8 [N/8, K/32, 32 * bits], float16 [N/8, K/32, 8] twice (native/q4_kernel.h's layout; 8 bits:
+    the low nibbles' plane, then the high nibbles')."""
     n, k = codes.shape
     nb, tiles = k // BLOCK, n // TILE
-    c = codes.reshape(tiles, TILE, nb, 2, 16)  # [tile, row, block, half, j]
-    q = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)  # byte j: w[j] low nibble, w[j + 16] high
-    q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(tiles, nb, TILE * 16)
+    if bits == 8:
+        planes = [pack(codes & 0x0F, d, m)[0], pack(codes >> 4, d, m)[0]]
+        q = np.concatenate(planes, axis=-1)
+    else:
+        c = codes.reshape(tiles, TILE, nb, 2, 16)  # [tile, row, block, half, j]
+        q = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)  # byte j: w[j] low nibble, w[j + 16] high
+        q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(tiles, nb, TILE * 16)
 
     def rows(v):
         v = np.asarray(v, np.float32).reshape(tiles, TILE, nb).transpose(0, 2, 1)[:, :, ROW_ORDER]
@@ -140,8 +146,13 @@ def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, n
 
 
 def unpack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """pack's inverse: (codes [N, K], d [N, K/32], m [N, K/32]) as float32 where float."""
+    """pack's inverse (the width from Q's last dim): (codes [N, K], d [N, K/32], m [N, K/32]) as float32 where
+    float."""
     tiles, nb = q.shape[:2]
+    if q.shape[-1] == 2 * TILE * 16:  # 8 bits: two nibble planes
+        lo, dd, mm = unpack(q[..., :TILE * 16], d, m)
+        hi = unpack(q[..., TILE * 16:], d, m)[0]
+        return (lo | (hi << 4)).astype(np.uint8), dd, mm
     b = q.reshape(tiles, nb, TILE, 16).transpose(0, 2, 1, 3)  # [tile, row, block, j]
     codes = np.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(tiles * TILE, nb * BLOCK)
     inverse = np.argsort(ROW_ORDER)
@@ -160,32 +171,38 @@ def dequantize(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def _nbits_weight(node, inits, attrs) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """A MatMulNBits node's (codes [N, K], d, m) when the op can take it (4 bits, blocks of 32, K and N whole
-    tiles, no g_idx or bias), else None."""
+    """A MatMulNBits node's (codes [N, K], d, m) when the op can take it (4 or 8 bits, blocks of 32, K and N
+    whole tiles, no g_idx or bias), else None."""
     from onnx import numpy_helper
 
     from llmpipe.infer.fold import unpack4
 
-    k, n = attrs.get("K"), attrs.get("N")
-    if (attrs.get("bits", 4) != 4 or attrs.get("block_size") != BLOCK or not k or not n or k % BLOCK or n % TILE
+    k, n, bits = attrs.get("K"), attrs.get("N"), attrs.get("bits", 4)
+    if (bits not in (4, 8) or attrs.get("block_size") != BLOCK or not k or not n or k % BLOCK or n % TILE
             or any(node.input[4:]) or node.input[1] not in inits or node.input[2] not in inits
             or (len(node.input) > 3 and node.input[3] and node.input[3] not in inits)):
         return None
     nb = k // BLOCK
-    codes = unpack4(numpy_helper.to_array(inits[node.input[1]]).reshape(n, nb, BLOCK // 2)).reshape(n, k)
+    b = numpy_helper.to_array(inits[node.input[1]])
+    codes = (unpack4(b.reshape(n, nb, BLOCK // 2)) if bits == 4 else b.reshape(n, nb, BLOCK)).reshape(n, k)
     s = numpy_helper.to_array(inits[node.input[2]]).astype(np.float32).reshape(n, nb)
     if len(node.input) > 3 and node.input[3]:
         zp = numpy_helper.to_array(inits[node.input[3]])
-        z = (zp.astype(np.float32).reshape(n, nb) if zp.dtype != np.uint8
-             else unpack4(zp.reshape(n, -1))[:, :nb].astype(np.float32))
+        if zp.dtype != np.uint8:
+            z = zp.astype(np.float32).reshape(n, nb)
+        elif bits == 4:
+            z = unpack4(zp.reshape(n, -1))[:, :nb].astype(np.float32)
+        else:
+            z = zp.reshape(n, -1)[:, :nb].astype(np.float32)
     else:
-        z = np.full((n, nb), 8.0, np.float32)
+        z = np.full((n, nb), float(1 << (bits - 1)), np.float32)
     return codes, s, -z * s
 
 
-def swap_model(model) -> int:
-    """Rewrites, in place, every MatMulNBits node of `model` (a ModelProto) the op can take (_nbits_weight)
-    into a Q4Gemv node over the same weights, and imports llmpipe's domain. Returns how many it rewrote."""
+def swap_model(model, eight: bool = True) -> int:
+    """Rewrites, in place, every MatMulNBits node of `model` (a ModelProto) the op can take (_nbits_weight;
+    8-bit ones only with `eight`) into a Q4Gemv node over the same weights, and imports llmpipe's domain.
+    Returns how many it rewrote."""
     from onnx import helper, numpy_helper
 
     graph = model.graph
@@ -199,16 +216,17 @@ def swap_model(model) -> int:
         if node.op_type != "MatMulNBits" or node.domain != "com.microsoft":
             continue
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        weight = _nbits_weight(node, inits, attrs)
+        weight = _nbits_weight(node, inits, attrs) if eight or attrs.get("bits", 4) == 4 else None
         if weight is None:
             continue
-        q, d, m = pack(*weight)
+        bits = attrs.get("bits", 4)
+        q, d, m = pack(*weight, bits=bits)
         base = (node.name or node.output[0]).replace("/", "_").replace(":", "_") + "_q4"
         new_inits += [numpy_helper.from_array(q, base + "_q"), numpy_helper.from_array(d, base + "_d"),
                       numpy_helper.from_array(m, base + "_m")]
         dead.update(x for x in node.input[1:4] if x and readers.get(x) == 1)
         new = helper.make_node(OP, [node.input[0], base + "_q", base + "_d", base + "_m"], list(node.output),
-                               name=node.name, domain=DOMAIN, K=attrs["K"], N=attrs["N"])
+                               name=node.name, domain=DOMAIN, K=attrs["K"], N=attrs["N"], bits=bits)
         graph.node[i].CopyFrom(new)
         swapped += 1
     if swapped:

@@ -128,9 +128,7 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
         reason = native.unavailable()
         if reason:
             raise native.NativeUnavailable(reason)
-        if adapter is not None:
-            raise ValueError("kernel llmpipe takes merged weights only (benchmark.quantize.<variant>.adapter: merged)")
-        zero_points = "float"
+        zero_points = "float"  # HQQ's as they are: the kernel computes d * q + m
 
     # NOTE: the quantizer's module logger has a handler of its own and logs a line per node at INFO.
     own = logging.getLogger("onnxruntime.quantization.matmul_nbits_quantizer")
@@ -154,9 +152,6 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
         # NOTE: after every quantizer pass: the fold's and the adapter's own MatMuls (block sums, x A^T) stay fp32
         if algorithm == "hqq" and zero_points == "integer":
             fold.fold_model(model, ranks)
-        if kernel == "llmpipe" and native.swap_model(model) == 0:
-            raise ValueError(f"{src.name}: no 4-bit MatMulNBits node llmpipe's kernel takes (blocks of 32, N a "
-                             "multiple of 8)")
         if adapter is not None:
             from llmpipe.infer import lora_rows
 
@@ -167,6 +162,10 @@ def quantize_weight_only(src: Path, dst: Path, bits: int, block_size: int, accur
             # restricting them; the A MatMuls are the only fp32 weight MatMuls left at this point.
             names = [n.name for n in model.graph.node if n.name.endswith(lora_rows.A_SUFFIX)]
             model = _nbits(model, 8, 32, accuracy_level, False, "rtn", include=names)
+        # after the adapter's rows (appended to the 4-bit nodes as they are, then swapped with them)
+        if kernel == "llmpipe" and native.swap_model(model) == 0:
+            raise ValueError(f"{src.name}: no 4-bit MatMulNBits node llmpipe's kernel takes (blocks of 32, N a "
+                             "multiple of 8)")
         # NOTE: the embedding stays fp32 (MatMul weights only), so the result's size is not bits/32 of
         # the source's: a source that needed external data writes its variant with external data too.
         from onnxruntime.quantization.onnx_model import ONNXModel

@@ -16,7 +16,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 from safetensors.numpy import save_file
 
-from llmpipe.infer import fold, lora_rows
+from llmpipe.infer import fold, lora_rows, native
 from llmpipe.infer.ort import _nbits
 
 H, F, R, SCALE = 256, 128, 8, 2.0  # hidden, feed-forward, rank, alpha / r
@@ -112,6 +112,44 @@ def test_the_appended_rows_compute_the_adapters_product(tmp_path, modules):
                for n in attached.graph.node if n.op_type == "MatMulNBits")
 
 
+@pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
+def test_the_rows_on_float_zero_points_compute_the_product_on_llmpipes_kernel(tmp_path):
+    """kernel llmpipe: the unfolded HQQ nodes (float zero points) read a new concat(x, x A^T), the rows after
+    the base's blocks with float zero points like the base's; swapped into llmpipe.Q4Gemv, the graph minus the
+    unadapted one is the adapter's product to within a tenth of it, as on the folded nodes."""
+    model, w = _graph()
+    step = float(np.median([np.ptp(v[:32], axis=0).mean() for v in w.values()])) / 15
+    ab = _adapter(tmp_path / "adapter", 0.3 * step)
+    base = _nbits(copy.deepcopy(model), 4, 32, 4, False, "hqq")
+    attached = copy.deepcopy(base)
+    assert lora_rows.attach(attached, lora_rows.Adapter.read(tmp_path / "adapter")) == 4
+    inits = {t.name: t for t in attached.graph.initializer}
+    assert all(inits[n.input[3]].data_type == TensorProto.FLOAT
+               for n in attached.graph.node if n.op_type == "MatMulNBits")
+    assert [n.op_type for n in attached.graph.node].count("Concat") == 3  # one per input an adapted module reads
+    for m in (base, attached):
+        assert native.swap_model(m) == 4
+    rng = np.random.default_rng(2)
+    feeds = {n: rng.standard_normal((2, 3, k)).astype(np.float32) for n, k in (("x", H), ("m", H), ("h", F))}
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = 1
+    opts.register_custom_ops_library(str(native.library()))
+
+    def run(m):
+        return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, feeds)
+
+    got = [a - b for a, b in zip(run(attached), run(base))]
+
+    def product(x, mods):
+        return np.concatenate([feeds[x] @ (SCALE * ab[m][1] @ ab[m][0]).T for m in mods], axis=-1)
+
+    want = [product("x", ["q_proj", "k_proj", "v_proj"]), product("m", ["gate_proj"]), product("m", ["up_proj"]),
+            product("h", ["down_proj"])]
+    for g, t, name in zip(got, want, ["qkv", "gate", "up", "down"]):
+        err = np.linalg.norm(g - t) / np.linalg.norm(t)
+        assert err < 0.1, (name, err)
+
+
 def test_the_base_comes_back_out_of_the_merged_weights(tmp_path):
     """write_base: merged (W + s B A) minus the adapter's product is W (fp32 rounding), the other tensors and
     files as they were, a symlink not followed."""
@@ -164,7 +202,7 @@ def _corrupt(folder: Path, how: str) -> str:
     elif how == "layer":
         t["base_model.model.model.layers.5.mlp.up_proj.lora_A.weight"] = np.zeros((R, H), np.float32)
         t["base_model.model.model.layers.5.mlp.up_proj.lora_B.weight"] = np.zeros((F, R), np.float32)
-        want = "no folded 4-bit node"
+        want = "has no 4-bit node in the graph"
     else:  # bytes that are not safetensors
         weights.write_bytes(b"\x80\x04pickle")
         return "not a readable safetensors"

@@ -26,9 +26,9 @@ def test_kernel_matches_matmulnbits_on_the_same_weights(tmp_path):
     result = json.loads(out.read_text())
     assert result["weights"] == 576 * 576 * 2 + 192 * 576 * 2 + 1536 * 576 * 3
     for row in result["rows"].values():
-        # measured: MLAS 4.8e-3, the kernel 6.0e-3 (fp16 d and m, int8 activations per block of 32 in both)
+        # measured: MLAS 4.8e-3, the kernel 4.9e-3 (int8 activations per block of 32 in both; fp16 d and m)
         assert 0 < row["mlas"]["rel_error"] < 1e-2
-        assert 0 < row["q4_gemv"]["rel_error"] < 1.5e-2
+        assert 0 < row["q4_gemv"]["rel_error"] < 1e-2
         # the op inside onnxruntime computes exactly what the kernel alone does (the same code, the same rows)
         assert row["q4_op"]["rel_error"] == pytest.approx(row["q4_gemv"]["rel_error"], rel=1e-6)
         assert row["q4_gemv"]["ms_median"] > 0 and row["ratio"] > 0

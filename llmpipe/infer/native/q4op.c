@@ -1,7 +1,7 @@
 /* llmpipe.Q4Gemv: llmpipe's 4-bit matmul kernel (q4_kernel.h) as an onnxruntime custom op.
  *
- *   Q4Gemv(A float [..., K], Q uint8 [N/8, K/32, 128], D float16 [N/8, K/32, 8], M float16 [N/8, K/32, 8])
- *     -> Y float [..., N]          attributes K, N (int64)
+ *   Q4Gemv(A float [..., K], Q uint8 [N/8, K/32, 32 * bits], D float16 [N/8, K/32, 8], M float16 [same])
+ *     -> Y float [..., N]          attributes K, N, bits (4 or 8; absent: 4)
  *
  * onnxruntime loads this library through SessionOptions.register_custom_ops_library, which calls
  * RegisterCustomOps below. Its C API headers are not in the onnxruntime wheel (and no registry this project
@@ -100,7 +100,7 @@ static OrtStatus *status(int code, const char *msg) {
 
 /* ---- the op ------------------------------------------------------------------------------------------- */
 typedef struct {
-  int64_t K, N;
+  int64_t K, N, bits;
 } Kernel;
 
 static const char *op_name(const OrtCustomOp *op) { (void)op; return "Q4Gemv"; }
@@ -124,8 +124,16 @@ static OrtStatus *op_create(const OrtCustomOp *op, const void *a, const OrtKerne
   if (!k) return status(ORT_FAIL, "llmpipe.Q4Gemv: out of memory");
   OrtStatus *st = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "K", &k->K);
   if (!st) st = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "N", &k->N);
+  if (!st) {
+    OrtStatus *absent = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "bits", &k->bits);
+    if (absent) { /* no bits attribute: 4 */
+      FN(S_ReleaseStatus, void (*)(OrtStatus *))(absent);
+      k->bits = 4;
+    }
+  }
   if (!st && (k->K <= 0 || k->N <= 0 || k->K % Q4_BLOCK || k->N % Q4_TILE || k->K > (1 << 20) || k->N > (1 << 24)))
     st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: K must be a positive multiple of 32 and N of 8");
+  if (!st && k->bits != 4 && k->bits != 8) st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: bits must be 4 or 8");
   if (st) {
     free(k);
     return st;
@@ -155,7 +163,7 @@ static OrtStatus *data(const OrtValue *v, void **p) {
 }
 
 typedef struct {
-  int M, K, N, tiles, chunk;
+  int M, K, N, bits, tiles, chunk;
   const uint8_t *q;
   const uint16_t *d, *m;
   const int8_t *xq;
@@ -166,18 +174,18 @@ typedef struct {
 static void run_chunk(void *p, size_t i) {
   const Job *j = p;
   const int t0 = (int)i * j->chunk, t1 = t0 + j->chunk < j->tiles ? t0 + j->chunk : j->tiles;
-  q4_tiles(j->M, j->K, j->N, j->q, j->d, j->m, j->xq, j->sx, j->xs, j->y, t0, t1);
+  q4_tiles(j->M, j->K, j->N, j->bits, j->q, j->d, j->m, j->xq, j->sx, j->xs, j->y, t0, t1);
 }
 
 static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   const Kernel *k = kp;
-  const int K = (int)k->K, N = (int)k->N, nb = K / Q4_BLOCK, tiles = N / Q4_TILE;
+  const int K = (int)k->K, N = (int)k->N, bits = (int)k->bits, nb = K / Q4_BLOCK, tiles = N / Q4_TILE;
   const OrtValue *a, *w[3];
   int64_t dims[8], wd[8];
   size_t rank, count, wrank, wcount;
   TRY(input(ctx, 0, &a, dims, &rank, &count));
   if (rank < 1 || dims[rank - 1] != K) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: A's last dim is not K");
-  const size_t want[3] = {(size_t)tiles * nb * 128, (size_t)tiles * nb * 8, (size_t)tiles * nb * 8};
+  const size_t want[3] = {(size_t)tiles * nb * 32 * bits, (size_t)tiles * nb * 8, (size_t)tiles * nb * 8};
   void *wp[3], *ap, *yp;
   for (int i = 0; i < 3; i++) {
     TRY(input(ctx, 1 + i, &w[i], wd, &wrank, &wcount));
@@ -202,9 +210,9 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   const float *x = ap;
   for (size_t r = 0; r < M; r++) q4_quant_row(x + r * K, K, xq + r * (size_t)K * 2, sx + r * nb, xs + r * nb);
   /* chunks of about 64 KB of weights (more with fewer rows): enough of them to share between threads */
-  int chunk = (int)(65536 / ((size_t)nb * 144));
+  int chunk = (int)(65536 / ((size_t)nb * (32 * bits + 32)));
   chunk = chunk < 1 ? 1 : chunk;
-  Job job = {(int)M, K, N, tiles, chunk, wp[0], wp[1], wp[2], xq, sx, xs, yp};
+  Job job = {(int)M, K, N, bits, tiles, chunk, wp[0], wp[1], wp[2], xq, sx, xs, yp};
   const size_t chunks = (size_t)(tiles + chunk - 1) / chunk;
   OrtStatus *st = NULL;
   if (chunks > 1)
