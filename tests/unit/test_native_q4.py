@@ -161,7 +161,8 @@ def test_the_kernel_field_is_checked_when_the_config_loads():
     ok = QuantizeSection.model_validate({"int4": {"kernel": "llmpipe"}}).int4
     assert ok.kernel == "llmpipe"
     # a separate adapter's rows go on the unfolded nodes as they are (llmpipe.infer.lora_rows)
-    assert QuantizeSection.model_validate({"int4": {"kernel": "llmpipe", "adapter": "separate"}}).int4.kernel == "llmpipe"
+    separate = QuantizeSection.model_validate({"int4": {"kernel": "llmpipe", "adapter": "separate"}}).int4
+    assert separate.kernel == "llmpipe"
     for bad, word in (({"block_size": 64}, "blocks of 64"), ({"algorithm": "rtn"}, "rtn")):
         with pytest.raises(ValidationError, match=f"kernel=llmpipe: .*{word}"):
             QuantizeSection.model_validate({"int4": {"kernel": "llmpipe", **bad}})
