@@ -27,6 +27,9 @@ the benchmark stage deploys on the CPU:
 - `hqq-b32-head8-acc4-fold-lora` (with --adapter, a LoRA fine-tune's PEFT folder): the default int4 of the
   base the fine-tune came from (HF_FOLDER minus the adapter's product), the adapter kept apart as rows of its
   folded nodes (llmpipe.infer.lora_rows; benchmark.quantize.int4.adapter: separate);
+- `hqq-b32-head8-acc4-q4op[-lora]`: the same HQQ weights on llmpipe's own 4-bit kernel (benchmark.quantize.int4.
+  kernel: llmpipe; the custom op llmpipe.Q4Gemv, llmpipe.infer.native): float zero points as HQQ found them, no
+  fold, the 8-bit head on the same kernel; -lora: the adapter's rows on those nodes;
 - `llama.cpp <type>`: llmpipe.export.gguf's file of the same folder (f16, q8_0, q4_0, q4_1) with llama.cpp's
   reference quantisers, in llama-cpp-python, when it is installed; `llama.cpp q4_k_m`: llama.cpp's own
   llama-quantize (llama_cpp.llama_model_quantize) of the f16 file, its recommended 4-bit mix; `llama.cpp q5_0`,
@@ -120,6 +123,8 @@ def recipes() -> list[Recipe]:
         # --adapter: the base (merged minus the adapter's product) at the default int4, the adapter appended as
         # rows of its folded nodes (benchmark.quantize.int4.adapter: separate)
         Recipe("hqq-b32-head8-acc4-fold-lora", "int4", "lora", {}),
+        # the same on llmpipe's kernel: the rows on the unfolded HQQ nodes, all swapped into llmpipe.Q4Gemv
+        Recipe("hqq-b32-head8-acc4-q4op-lora", "int4", "lora", {"kernel": "llmpipe"}),
         # GPTQ (onnxruntime's quantiser, its bundled Neural Compressor code): second-order error compensation
         # from calibration windows of the standard library's sources (never the scored ones), asymmetric integer
         # zero points (the fast kernel path, no fold needed), the head at 8 bits as above
@@ -229,8 +234,8 @@ def build(r: Recipe, hf: Path, work: Path, fp32: Path | None, adapter: Path | No
     if r.kind == "lora":
         from llmpipe.config import QuantizeSection
 
-        return fused.build_weight_only(hf, out, QuantizeSection(int4={"adapter": "separate"}).int4,
-                                       adapter_dir=adapter).parent
+        section = QuantizeSection(int4={"adapter": "separate", **r.options}).int4
+        return fused.build_weight_only(hf, out, section, adapter_dir=adapter).parent
     if r.kind == "builder":
         opts = {k: str(v) for k, v in r.options.items() if k != "precision"}
         fused.build(hf, out, r.options["precision"], opts or None)

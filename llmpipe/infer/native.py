@@ -38,6 +38,7 @@ SOURCES = (Path(__file__).resolve().parent / "native" / "q4op.c",
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fvisibility=hidden")
 CPU_FLAGS = ("avx2", "fma", "f16c")
 CACHE_ENV = "LLMPIPE_NATIVE_CACHE"
+THREADS_ENTRY = "llmpipe.q4.threads"  # session config entry the op reads when it registers (q4op.c)
 
 
 class NativeUnavailable(RuntimeError):
@@ -118,6 +119,9 @@ def uses(model) -> bool:
 def register(options, graph) -> None:
     """Adds llmpipe's op library to onnxruntime SessionOptions `options` when `graph` (path) uses it."""
     if uses(graph):
+        # the op splits its tiles into one chunk per thread when it knows how many the session has
+        threads = options.intra_op_num_threads or os.cpu_count() or 1
+        options.add_session_config_entry(THREADS_ENTRY, str(threads))
         options.register_custom_ops_library(str(library()))
 
 

@@ -118,8 +118,11 @@ def test_eight_bit_weights_as_two_nibble_planes_compute_what_matmulnbits_did(thr
 
 
 @needs_kernel
-def test_create_session_registers_the_library_only_for_a_graph_that_uses_the_op(tmp_path):
-    hqq = _hqq(_model(64, [16]))
+@pytest.mark.parametrize("threads", [1, 2])
+def test_create_session_registers_the_library_only_for_a_graph_that_uses_the_op(tmp_path, threads):
+    """create_session registers the op with the session's thread count (the op then splits each matrix into
+    one chunk per thread: 2 here for a matrix of 1536 x 576)."""
+    hqq = _hqq(_model(576, [1536]))
     plain = tmp_path / "plain.onnx"
     onnx.save(hqq, str(plain))
     swapped = tmp_path / "swapped.onnx"
@@ -127,10 +130,10 @@ def test_create_session_registers_the_library_only_for_a_graph_that_uses_the_op(
     onnx.save(hqq, str(swapped))
     assert not native.uses(plain) and native.uses(swapped)
     cpu = OrtProvider("cpu", "CPUExecutionProvider")
-    x = np.ones((1, 1, 64), np.float32)
-    a = create_session(plain, cpu, 1).run(None, {"x": x})[0]
-    b = create_session(swapped, cpu, 1).run(None, {"x": x})[0]
-    assert np.abs(a - b).max() / np.abs(a).max() < 2e-2
+    x = np.random.default_rng(5).standard_normal((1, 3, 576)).astype(np.float32)
+    a = create_session(plain, cpu, threads).run(None, {"x": x})[0]
+    b = create_session(swapped, cpu, threads).run(None, {"x": x})[0]
+    assert np.abs(a - b).max() / np.abs(a).max() < 1.5e-2
 
 
 def test_nodes_the_op_cannot_take_stay_matmulnbits():
