@@ -239,4 +239,44 @@ def swap_model(model, eight: bool = True) -> int:
         graph.initializer.extend(kept + new_inits)
         if not any(o.domain == DOMAIN for o in model.opset_import):
             model.opset_import.append(helper.make_opsetid(DOMAIN, 1))
+        _fuse_adapters(graph)
     return swapped
+
+
+def _fuse_adapters(graph) -> int:
+    """A separate LoRA adapter's nodes (llmpipe.infer.lora_rows on unfolded nodes: xa = x . A^T, an 8-bit
+    Q4Gemv, and concat(x, xa) read by one 4-bit Q4Gemv) folded into that node's optional inputs, so the op
+    computes xa itself from the x it quantises anyway: two nodes fewer per adapted input (on SmolLM2-135M at 2
+    threads the Concats alone were 8.5% of a decode step). An xa or concat read by several nodes is left as
+    it is. Returns how many nodes took their adapter in."""
+    from onnx import helper
+
+    producers = {o: n for n in graph.node for o in n.output}
+    readers: dict[str, int] = {}
+    for node in graph.node:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    outputs = {o.name for o in graph.output}
+    drop: set[str] = set()
+    fused = 0
+    for node in graph.node:
+        if node.op_type != OP or node.domain != DOMAIN or len(node.input) != 4:
+            continue
+        cat = producers.get(node.input[0])
+        if cat is None or cat.op_type != "Concat" or len(cat.input) != 2 or readers.get(cat.output[0]) != 1:
+            continue
+        a_node = producers.get(cat.input[1])
+        bits = {x.name: helper.get_attribute_value(x) for x in a_node.attribute} if a_node is not None else {}
+        if (a_node is None or a_node.op_type != OP or a_node.input[0] != cat.input[0] or len(a_node.input) != 4
+                or bits.get("bits") != 8 or readers.get(a_node.output[0]) != 1 or cat.output[0] in outputs
+                or a_node.output[0] in outputs):
+            continue
+        node.input[0] = cat.input[0]
+        node.input.extend(a_node.input[1:4])
+        drop.update((cat.name or cat.output[0], a_node.name or a_node.output[0]))
+        fused += 1
+    if drop:
+        kept = [n for n in graph.node if (n.name or n.output[0]) not in drop]
+        del graph.node[:]
+        graph.node.extend(kept)
+    return fused

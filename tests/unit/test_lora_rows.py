@@ -127,8 +127,24 @@ def test_the_rows_on_float_zero_points_compute_the_product_on_llmpipes_kernel(tm
     assert all(inits[n.input[3]].data_type == TensorProto.FLOAT
                for n in attached.graph.node if n.op_type == "MatMulNBits")
     assert [n.op_type for n in attached.graph.node].count("Concat") == 3  # one per input an adapted module reads
-    for m in (base, attached):
-        assert native.swap_model(m) == 4
+    # the x A^T MatMuls at 8 bits, as quantize_weight_only puts them
+    attached = _nbits(attached, 8, 32, 4, False, "rtn",
+                      include=[n.name for n in attached.graph.node if n.name.endswith(lora_rows.A_SUFFIX)])
+    unfused = copy.deepcopy(attached)
+    assert native.swap_model(base) == 4
+    assert native.swap_model(attached) == 4 + 3
+    # an adapted input with one reader (x: qkv, h: down) has its x A^T and concat in that node's optional
+    # inputs; gate and up share theirs (m), which stay nodes of their own
+    ops = [n.op_type for n in attached.graph.node]
+    assert ops.count("Concat") == 1 and ops.count("Q4Gemv") == 5
+    assert sorted(len(n.input) for n in attached.graph.node if n.op_type == "Q4Gemv") == [4, 4, 4, 7, 7]
+    fuse = native._fuse_adapters
+    native._fuse_adapters = lambda graph: 0  # the same rows as separate nodes, for comparison
+    try:
+        assert native.swap_model(unfused) == 4 + 3
+    finally:
+        native._fuse_adapters = fuse
+    assert [n.op_type for n in unfused.graph.node].count("Concat") == 3
     rng = np.random.default_rng(2)
     feeds = {n: rng.standard_normal((2, 3, k)).astype(np.float32) for n, k in (("x", H), ("m", H), ("h", F))}
     opts = ort.SessionOptions()
@@ -139,6 +155,8 @@ def test_the_rows_on_float_zero_points_compute_the_product_on_llmpipes_kernel(tm
         return ort.InferenceSession(m.SerializeToString(), opts, providers=["CPUExecutionProvider"]).run(None, feeds)
 
     got = [a - b for a, b in zip(run(attached), run(base))]
+    for f, u in zip(run(attached), run(unfused)):
+        assert np.abs(f - u).max() / np.abs(u).max() < 1e-2
 
     def product(x, mods):
         return np.concatenate([feeds[x] @ (SCALE * ab[m][1] @ ab[m][0]).T for m in mods], axis=-1)

@@ -103,12 +103,13 @@ static inline __attribute__((always_inline)) void q4_tiles_rows(
   }
 }
 
-/* Tiles [t0, t1) of all M rows, 4 rows a pass; the row buffers as q4_quant_row left them for each row, packed
- * back to back (row r: xq + r * K * 2, sx / xs + r * K / 32); y is [M, N]. bits 4: the layout above; bits 8:
- * per tile per block 256 bytes, the low nibbles' 128 (laid out as a 4-bit block) then the high nibbles'. */
-static void q4_tiles(int M, int K, int N, int bits, const uint8_t *q, const uint16_t *d, const uint16_t *m,
-                     const int8_t *xq, const float *sx, const float *xs, float *y, int t0, int t1) {
-  const size_t xstride = (size_t)K * 2, sstride = (size_t)K / Q4_BLOCK;
+/* Tiles [t0, t1) of all M rows, 4 rows a pass; the row buffers as q4_quant_row left them for each row, row r
+ * at xq + r * xstride (bytes) and sx / xs + r * sstride (the first K / 32 blocks of a row are read); y is
+ * [M, N]. bits 4: the layout above; bits 8: per tile per block 256 bytes, the low nibbles' 128 (laid out as a
+ * 4-bit block) then the high nibbles'. */
+static void q4_tiles_strided(int M, int K, int N, int bits, const uint8_t *q, const uint16_t *d, const uint16_t *m,
+                             const int8_t *xq, size_t xstride, const float *sx, const float *xs, size_t sstride,
+                             float *y, int t0, int t1) {
   for (int r0 = 0; r0 < M; r0 += Q4_ROWS) {
     const int8_t *x = xq + r0 * xstride;
     const float *s = sx + r0 * sstride, *u = xs + r0 * sstride;
@@ -132,6 +133,12 @@ static void q4_tiles(int M, int K, int N, int bits, const uint8_t *q, const uint
     }
 #undef Q4_CASE
   }
+}
+
+/* q4_tiles_strided over rows packed back to back (row r: xq + r * K * 2, sx / xs + r * K / 32). */
+static void q4_tiles(int M, int K, int N, int bits, const uint8_t *q, const uint16_t *d, const uint16_t *m,
+                     const int8_t *xq, const float *sx, const float *xs, float *y, int t0, int t1) {
+  q4_tiles_strided(M, K, N, bits, q, d, m, xq, (size_t)K * 2, sx, xs, (size_t)K / Q4_BLOCK, y, t0, t1);
 }
 
 #endif

@@ -1,7 +1,12 @@
 /* llmpipe.Q4Gemv: llmpipe's 4-bit matmul kernel (q4_kernel.h) as an onnxruntime custom op.
  *
- *   Q4Gemv(A float [..., K], Q uint8 [N/8, K/32, 32 * bits], D float16 [N/8, K/32, 8], M float16 [same])
+ *   Q4Gemv(A float [..., K], Q uint8 [N/8, K/32, 32 * bits], D float16 [N/8, K/32, 8], M float16 [same]
+ *          [, QA uint8 [R/8, KA/32, 256], DA, MA float16 [R/8, KA/32, 8]])
  *     -> Y float [..., N]          attributes K, N, bits (4 or 8; absent: 4)
+ *
+ * With the optional QA, DA, MA (a LoRA adapter's A, R rows at 8 bits; llmpipe.infer.lora_rows' rows kept
+ * apart): A is [..., KA] with KA = K - R, and the op computes A . [W_base; B rows] over concat(A, A . A_lora^T),
+ * the adapter's product first (from the same quantised A), so the graph needs no MatMul and Concat for it.
  *
  * onnxruntime loads this library through SessionOptions.register_custom_ops_library, which calls
  * RegisterCustomOps below. Its C API headers are not in the onnxruntime wheel (and no registry this project
@@ -77,6 +82,7 @@ enum {
   S_GetTensorShapeElementCount = 64,
   S_GetTensorTypeAndShape = 65,
   S_KernelInfoGetAttribute_int64 = 86,
+  S_KernelContext_GetInputCount = 88,
   S_KernelContext_GetInput = 90,
   S_KernelContext_GetOutput = 91,
   S_ReleaseStatus = 93,
@@ -116,12 +122,13 @@ static const char *op_name(const OrtCustomOp *op) { (void)op; return "Q4Gemv"; }
 static const char *op_ep(const OrtCustomOp *op) { (void)op; return "CPUExecutionProvider"; }
 static int op_input_type(const OrtCustomOp *op, size_t i) {
   (void)op;
-  return i == 0 ? T_FLOAT : i == 1 ? T_UINT8 : T_FLOAT16;
+  return i == 0 ? T_FLOAT : (i == 1 || i == 4) ? T_UINT8 : T_FLOAT16;
 }
-static size_t op_input_count(const OrtCustomOp *op) { (void)op; return 4; }
+static size_t op_input_count(const OrtCustomOp *op) { (void)op; return 7; }
 static int op_output_type(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return T_FLOAT; }
 static size_t op_output_count(const OrtCustomOp *op) { (void)op; return 1; }
 static int op_required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; /* INPUT_OUTPUT_REQUIRED */ }
+static int op_input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i < 4 ? 0 : 1; /* OPTIONAL: QA, DA, MA */ }
 static int op_mem_default(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; /* OrtMemTypeDefault */ }
 static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
 static void op_destroy(void *k) { free(k); }
@@ -190,14 +197,20 @@ static void run_chunk(void *p, size_t i) {
 static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   const Kernel *k = kp;
   const int K = (int)k->K, N = (int)k->N, bits = (int)k->bits, nb = K / Q4_BLOCK, tiles = N / Q4_TILE;
-  const OrtValue *a, *w[3];
+  const OrtValue *a, *w[6] = {0};
   int64_t dims[8], wd[8];
-  size_t rank, count, wrank, wcount;
+  size_t rank, count, wrank, wcount, inputs;
+  TRY(FN(S_KernelContext_GetInputCount, OrtStatus *(*)(const OrtKernelContext *, size_t *))(ctx, &inputs));
   TRY(input(ctx, 0, &a, dims, &rank, &count));
-  if (rank < 1 || dims[rank - 1] != K) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: A's last dim is not K");
-  const size_t want[3] = {(size_t)tiles * nb * 32 * bits, (size_t)tiles * nb * 8, (size_t)tiles * nb * 8};
-  void *wp[3], *ap, *yp;
-  for (int i = 0; i < 3; i++) {
+  const int KA = rank >= 1 ? (int)dims[rank - 1] : -1, R = K - KA; /* R > 0: the adapter's rows */
+  const int lora = inputs >= 7;
+  if (lora ? (KA <= 0 || KA % Q4_BLOCK || R <= 0 || R % Q4_BLOCK) : KA != K)
+    return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: A's last dim is not K (or, with an adapter, K less its rows)");
+  const size_t want[6] = {(size_t)tiles * nb * 32 * bits, (size_t)tiles * nb * 8, (size_t)tiles * nb * 8,
+                          lora ? (size_t)(R / 8) * (KA / 32) * 256 : 0, lora ? (size_t)(R / 8) * (KA / 32) * 8 : 0,
+                          lora ? (size_t)(R / 8) * (KA / 32) * 8 : 0};
+  void *wp[6] = {0}, *ap, *yp;
+  for (int i = 0; i < (lora ? 6 : 3); i++) {
     TRY(input(ctx, 1 + i, &w[i], wd, &wrank, &wcount));
     if (wcount != want[i]) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: a weight input's size does not fit K, N");
     TRY(data(w[i], &wp[i]));
@@ -208,17 +221,25 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   TRY(FN(S_KernelContext_GetOutput, OrtStatus *(*)(OrtKernelContext *, size_t, const int64_t *, size_t, OrtValue **))(
       ctx, 0, dims, rank, &y));
   TRY(data(y, &yp));
-  const size_t M = count / (size_t)K;
+  const size_t M = count / (size_t)KA;
   if (M == 0) return NULL;
-  /* the activation rows as q4_quant_row leaves them, back to back */
+  /* the activation rows as q4_quant_row leaves them, back to back, K wide (with an adapter: A's KA, then the
+   * R values of A . A_lora^T) */
   int8_t *xq = malloc(M * (size_t)K * 2);
   float *sx = malloc(M * nb * sizeof(float)), *xs = malloc(M * nb * sizeof(float));
-  if (!xq || !sx || !xs) {
-    free(xq), free(sx), free(xs);
+  float *xa = lora ? malloc(M * (size_t)R * sizeof(float)) : NULL;
+  if (!xq || !sx || !xs || (lora && !xa)) {
+    free(xq), free(sx), free(xs), free(xa);
     return status(ORT_FAIL, "llmpipe.Q4Gemv: out of memory for the activation buffer");
   }
   const float *x = ap;
-  for (size_t r = 0; r < M; r++) q4_quant_row(x + r * K, K, xq + r * (size_t)K * 2, sx + r * nb, xs + r * nb);
+  for (size_t r = 0; r < M; r++) q4_quant_row(x + r * KA, KA, xq + r * (size_t)K * 2, sx + r * nb, xs + r * nb);
+  if (lora) { /* the adapter's product from the same quantised rows (R is small: one thread), then its rows */
+    q4_tiles_strided((int)M, KA, R, 8, wp[3], wp[4], wp[5], xq, (size_t)K * 2, sx, xs, nb, xa, 0, R / Q4_TILE);
+    const int nba = KA / Q4_BLOCK;
+    for (size_t r = 0; r < M; r++)
+      q4_quant_row(xa + r * R, R, xq + r * (size_t)K * 2 + (size_t)KA * 2, sx + r * nb + nba, xs + r * nb + nba);
+  }
   /* One chunk of tiles per thread when the session's thread count is known, each at least 32 KB of weights
    * (a smaller matrix: fewer chunks); else chunks of 256 KB. Measured on SmolLM2-135M at 2 threads (an AMD Zen
    * 2): chunks of 16 KB 145 tok/s, 64 KB 143, 256 KB 151 (the pool's cost per chunk is the price of more). */
@@ -235,7 +256,7 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
                                                          size_t, void *))(ctx, run_chunk, chunks, 0, &job);
   else
     run_chunk(&job, 0);
-  free(xq), free(sx), free(xs);
+  free(xq), free(sx), free(xs), free(xa);
   return st;
 }
 
@@ -248,7 +269,7 @@ static OrtCustomOp the_op = {
     .GetOutputType = op_output_type,
     .GetOutputTypeCount = op_output_count,
     .KernelDestroy = op_destroy,
-    .GetInputCharacteristic = op_required,
+    .GetInputCharacteristic = op_input_kind,
     .GetOutputCharacteristic = op_required,
     .GetInputMemoryType = op_mem_default,
     .GetVariadicInputMinArity = op_one,
