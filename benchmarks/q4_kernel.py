@@ -149,6 +149,7 @@ def op_session(mats: list[dict], threads: int) -> ort.InferenceSession:
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    so.add_session_config_entry(native.THREADS_ENTRY, str(threads))  # as native.register sets it
     so.register_custom_ops_library(str(native.library()))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
 
