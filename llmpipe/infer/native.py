@@ -108,17 +108,88 @@ def library() -> Path:
 
 
 def uses(model) -> bool:
-    """Whether a graph (a ModelProto, or the path of one) imports llmpipe's op domain."""
-    if not hasattr(model, "opset_import"):
-        import onnx
+    """Whether a graph (a ModelProto, or the path of one) imports llmpipe's op domain. A path is read for its
+    opset imports only (opset_domains: the graph's bytes are skipped, not parsed)."""
+    if hasattr(model, "opset_import"):
+        return any(o.domain == DOMAIN for o in model.opset_import)
+    return DOMAIN in opset_domains(Path(model))
 
-        model = onnx.load(str(model), load_external_data=False)
-    return any(o.domain == DOMAIN for o in model.opset_import)
+
+def _varint(f) -> int | None:
+    shift = value = 0
+    while True:
+        b = f.read(1)
+        if not b:
+            return None
+        value |= (b[0] & 0x7F) << shift
+        if not b[0] & 0x80:
+            return value
+        shift += 7
+        if shift > 63:
+            raise ValueError("a varint longer than 10 bytes")
+
+
+def opset_domains(path: Path) -> set[str]:
+    """The domains a .onnx file's ModelProto imports (its field 8, OperatorSetIdProto's field 1), read from the
+    protobuf wire format with every other top-level field skipped by its length: a session's check costs a few
+    reads whatever the graph's size. ValueError on bytes that are not a protobuf message."""
+    domains: set[str] = set()
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        while True:
+            tag = _varint(f)
+            if tag is None:
+                return domains
+            field, wire = tag >> 3, tag & 7
+            if wire == 0:
+                _varint(f)
+            elif wire == 1:
+                f.seek(8, 1)
+            elif wire == 5:
+                f.seek(4, 1)
+            elif wire == 2:
+                length = _varint(f)
+                if length is None or f.tell() + length > size:
+                    raise ValueError(f"{path}: not an ONNX model (a field runs past the end of the file)")
+                if field != 8:
+                    f.seek(length, 1)
+                    continue
+                entry, domain = f.read(length), ""
+                i = 0
+                while i < len(entry):  # OperatorSetIdProto: 1 domain (string), 2 version (varint)
+                    t, i = _entry_varint(entry, i)
+                    if t & 7 == 2:
+                        n, i = _entry_varint(entry, i)
+                        if t >> 3 == 1:
+                            domain = entry[i:i + n].decode("utf-8", "replace")
+                        i += n
+                    elif t & 7 == 0:
+                        _, i = _entry_varint(entry, i)
+                    else:
+                        raise ValueError(f"{path}: an opset import of wire type {t & 7}")
+                domains.add(domain)
+            else:
+                raise ValueError(f"{path}: not an ONNX model (wire type {wire})")
+
+
+def _entry_varint(buf: bytes, i: int) -> tuple[int, int]:
+    shift = value = 0
+    while i < len(buf):
+        value |= (buf[i] & 0x7F) << shift
+        i += 1
+        if not buf[i - 1] & 0x80:
+            return value, i
+        shift += 7
+    raise ValueError("a varint cut short")
 
 
 def register(options, graph) -> None:
     """Adds llmpipe's op library to onnxruntime SessionOptions `options` when `graph` (path) uses it."""
-    if uses(graph):
+    try:
+        used = uses(graph)
+    except (OSError, ValueError):  # not a readable model: onnxruntime's own load says so
+        return
+    if used:
         # the op splits its tiles into one chunk per thread when it knows how many the session has
         threads = options.intra_op_num_threads or os.cpu_count() or 1
         options.add_session_config_entry(THREADS_ENTRY, str(threads))

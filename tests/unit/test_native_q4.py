@@ -176,3 +176,22 @@ def test_an_unbuildable_machine_says_why(monkeypatch):
     assert "AVX2" in native.unavailable()
     with pytest.raises(native.NativeUnavailable, match="lacks avx2, fma, f16c"):
         native.library()
+
+
+def test_the_opset_domains_are_read_without_parsing_the_graph(tmp_path):
+    """uses() on a path reads the ModelProto's opset imports from the wire format (every other field skipped):
+    the same domains onnx itself reads; a file that is not a protobuf message is a ValueError, which
+    register() leaves to onnxruntime's own load to report."""
+    model = _hqq(_model(64, [16]))
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    assert native.opset_domains(path) == {o.domain for o in model.opset_import} == {"", "com.microsoft"}
+    native.swap_model(model)
+    onnx.save(model, str(path))
+    assert native.opset_domains(path) == {"", "com.microsoft", "llmpipe"} and native.uses(path)
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"\x0a\xff\xff\xff\x0f not a model")
+    with pytest.raises(ValueError, match="not an ONNX model"):
+        native.opset_domains(bad)
+    opts = ort.SessionOptions()
+    native.register(opts, bad)  # nothing registered, nothing raised

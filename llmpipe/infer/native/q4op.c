@@ -163,6 +163,7 @@ static OrtStatus *op_create(const OrtCustomOp *op, const void *a, const OrtKerne
 static OrtStatus *input(OrtKernelContext *ctx, size_t i, const OrtValue **v, int64_t *dims, size_t *rank,
                         size_t *count) {
   TRY(FN(S_KernelContext_GetInput, OrtStatus *(*)(const OrtKernelContext *, size_t, const OrtValue **))(ctx, i, v));
+  if (!*v) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: an input it needs is missing (QA, DA, MA go together)");
   OrtTensorTypeAndShapeInfo *info;
   TRY(FN(S_GetTensorTypeAndShape, OrtStatus *(*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))(*v, &info));
   OrtStatus *st = FN(S_GetDimensionsCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, rank);
@@ -204,6 +205,7 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   TRY(input(ctx, 0, &a, dims, &rank, &count));
   const int KA = rank >= 1 ? (int)dims[rank - 1] : -1, R = K - KA; /* R > 0: the adapter's rows */
   const int lora = inputs >= 7;
+  if (inputs > 4 && !lora) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: QA, DA and MA go together");
   if (lora ? (KA <= 0 || KA % Q4_BLOCK || R <= 0 || R % Q4_BLOCK) : KA != K)
     return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: A's last dim is not K (or, with an adapter, K less its rows)");
   const size_t want[6] = {(size_t)tiles * nb * 32 * bits, (size_t)tiles * nb * 8, (size_t)tiles * nb * 8,
