@@ -1,5 +1,6 @@
-"""A hand-written 4-bit GEMV (benchmarks/kernels/q4_gemv.c) against onnxruntime's MatMulNBits on the same
-weights, in one run: what a kernel of llmpipe's own would gain over MLAS on a decode step's weight matmuls.
+"""llmpipe's 4-bit kernel (llmpipe/infer/native/q4_kernel.h), alone and as the onnxruntime op llmpipe.Q4Gemv,
+against onnxruntime's MatMulNBits on the same weights, in one run: what it gains over MLAS on a decode step's
+weight matmuls.
 
     python benchmarks/q4_kernel.py [--layers 30] [--threads 1,2] [--rounds 5] [--json out.json]
 
@@ -8,21 +9,20 @@ The matrices are SmolLM2-135M's body (per layer q, k, v, o, gate, up, down: 576x
 zero points, each matrix fed its own random activation as one decode step feeds it its input. Rows:
 
 - `mlas`: one onnxruntime session holding a MatMulNBits node per matrix (4 bits, blocks of 32, integer zero
-  points, accuracy level 4: int8 activations in blocks of 32), the fastest form of llmpipe's int4 graph
-  (integer zero points need no fold); one `run` is one step's matmuls, with its dispatch of each node;
-- `q4_gemv`: the C kernel, compiled here with the machine's `cc` (AVX2, FMA, F16C), over the same codes in
-  its own layout with float zero points (d * q + m: HQQ's zero points need no fold there), looping over the
-  matrices in C, the activation quantised to int8 in blocks of 32 inside each call.
+  points, accuracy level 4: int8 activations in blocks of 32), the fastest form of MatMulNBits (integer zero
+  points need no fold); one `run` is one step's matmuls, with its dispatch of each node;
+- `q4_op`: the same session with a llmpipe.Q4Gemv node per matrix (llmpipe.infer.native: compiled with `cc`
+  on first use, the session's thread count given as native.register gives it), what the int4 graph runs at
+  benchmark.quantize.int4.kernel: llmpipe;
+- `q4_gemv`: the kernel alone (benchmarks/kernels/q4_gemv.c around the same header, compiled here with
+  OpenMP), looping over the matrices in C: the op's speed without onnxruntime's per-node cost.
 
-Each row is timed as the fastest of 20 repetitions, `--rounds` times, the rows alternating; medians and
-ranges printed, with the ratio. Each row's error against the fp32 product of the dequantised weights
-(max |diff| / max |ref| over all matrices) is printed beside it: both quantise the activation the same way,
-so both should be near 4e-3 and neither far from the other. Exit status 1 when the kernel's error is more
-than twice MLAS's (a wrong kernel).
-
-The kernel is not an onnxruntime op: a custom op needs onnxruntime's C API headers, which no registry this
-project installs from serves (docs/measurements/quantisation.md). The `mlas` row pays onnxruntime's per-node
-dispatch (a few microseconds a node, 210 nodes), which an op of llmpipe's own would pay too.
+The op and the kernel take the same codes in their own layout with float zero points (d * q + m: HQQ's zero
+points need no fold there). Each row is timed as the fastest of 20 repetitions, `--rounds` times, the rows
+alternating; medians and ranges printed, with the ratios. Each row's error against the fp32 product of the
+dequantised weights (max |diff| / max |ref| over all matrices) is printed beside it: all quantise the
+activation the same way, so all should be near 5e-3. Exit status 1 when the op's or the kernel's error is
+more than twice MLAS's (a wrong kernel).
 """
 
 from __future__ import annotations
@@ -112,46 +112,37 @@ def kernel_inputs(mat: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return native.pack(mat["codes"], mat["scales"], -mat["zeros"].astype(np.float32) * mat["scales"])
 
 
-def mlas_session(mats: list[dict], threads: int) -> ort.InferenceSession:
+def _session(mats: list[dict], threads: int, op: str, domain: str, weights, attrs: dict,
+             library: bool) -> ort.InferenceSession:
+    """One node `domain.op` per matrix over its `weights(mat)` (three arrays), in one onnxruntime session."""
     nodes, inits, inputs, outputs = [], [], [], []
     for i, mat in enumerate(mats):
-        packed, scales, zp = nbits_inputs(mat)
-        inits += [numpy_helper.from_array(packed, f"q{i}"), numpy_helper.from_array(scales, f"s{i}"),
-                  numpy_helper.from_array(zp, f"z{i}")]
+        names = [f"w{i}_{j}" for j in range(3)]
+        inits += [numpy_helper.from_array(a, n) for a, n in zip(weights(mat), names)]
         inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, mat["k"]]))
         outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, mat["n"]]))
-        nodes.append(helper.make_node("MatMulNBits", [f"x{i}", f"q{i}", f"s{i}", f"z{i}"], [f"y{i}"],
-                                      domain="com.microsoft", K=mat["k"], N=mat["n"], bits=4, block_size=32,
-                                      accuracy_level=4))
+        nodes.append(helper.make_node(op, [f"x{i}", *names], [f"y{i}"], domain=domain, K=mat["k"], N=mat["n"],
+                                      **attrs))
     graph = helper.make_graph(nodes, "q4_body", inputs, outputs, inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(domain, 1)])
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
+    if library:
+        so.add_session_config_entry(native.THREADS_ENTRY, str(threads))  # as native.register sets it
+        so.register_custom_ops_library(str(native.library()))
     return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def mlas_session(mats: list[dict], threads: int) -> ort.InferenceSession:
+    """MatMulNBits at 4 bits, blocks of 32, integer zero points, accuracy level 4."""
+    return _session(mats, threads, "MatMulNBits", "com.microsoft", nbits_inputs,
+                    {"bits": 4, "block_size": 32, "accuracy_level": 4}, library=False)
 
 
 def op_session(mats: list[dict], threads: int) -> ort.InferenceSession:
     """The same matrices as llmpipe.Q4Gemv nodes (the custom op the int4 graph runs at kernel: llmpipe)."""
-    nodes, inits, inputs, outputs = [], [], [], []
-    for i, mat in enumerate(mats):
-        q, d, m = kernel_inputs(mat)
-        inits += [numpy_helper.from_array(q, f"q{i}"), numpy_helper.from_array(d, f"d{i}"),
-                  numpy_helper.from_array(m, f"m{i}")]
-        inputs.append(helper.make_tensor_value_info(f"x{i}", TensorProto.FLOAT, [1, mat["k"]]))
-        outputs.append(helper.make_tensor_value_info(f"y{i}", TensorProto.FLOAT, [1, mat["n"]]))
-        nodes.append(helper.make_node(native.OP, [f"x{i}", f"q{i}", f"d{i}", f"m{i}"], [f"y{i}"],
-                                      domain=native.DOMAIN, K=mat["k"], N=mat["n"]))
-    graph = helper.make_graph(nodes, "q4_body", inputs, outputs, inits)
-    opsets = [helper.make_opsetid("", 17), helper.make_opsetid(native.DOMAIN, 1)]
-    model = helper.make_model(graph, opset_imports=opsets)
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.add_session_config_entry(native.THREADS_ENTRY, str(threads))  # as native.register sets it
-    so.register_custom_ops_library(str(native.library()))
-    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    return _session(mats, threads, native.OP, native.DOMAIN, kernel_inputs, {}, library=True)
 
 
 class Kernel:
