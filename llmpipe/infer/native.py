@@ -342,9 +342,12 @@ def _fuse_adapters(graph) -> int:
                 or any(u.op_type != OP or u.domain != DOMAIN or len(u.input) != 4 or u.input[0] != cat.output[0]
                        for u in users)):
             continue
+        rows_a = _live_rows(graph, a_node)
         for user in users:
             user.input[0] = cat.input[0]
             user.input.extend(a_node.input[1:4])
+            if rows_a:
+                user.attribute.append(helper.make_attribute("rows_a", rows_a))
             fused += 1
         drop.update((cat.name or cat.output[0], a_node.name or a_node.output[0]))
     if drop:
@@ -352,3 +355,15 @@ def _fuse_adapters(graph) -> int:
         del graph.node[:]
         graph.node.extend(kept)
     return fused
+
+
+def _live_rows(graph, node) -> int:
+    """The rows of a Q4Gemv node's weight before its zero padding (whole tiles of 8), or 0 when none is zero:
+    the adapter's x A^T is padded to whole blocks of 32 (llmpipe.infer.lora_rows), rows the op need not compute."""
+    from onnx import numpy_helper
+
+    inits = {t.name: t for t in graph.initializer}
+    d, m = (numpy_helper.to_array(inits[name]) for name in node.input[2:4])  # [R/8, KA/32, 8] each
+    live = np.flatnonzero((d != 0).any(axis=(1, 2)) | (m != 0).any(axis=(1, 2)))
+    tiles = int(live[-1]) + 1 if live.size else 1
+    return tiles * TILE if tiles < d.shape[0] else 0

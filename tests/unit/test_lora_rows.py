@@ -137,6 +137,10 @@ def test_the_rows_on_float_zero_points_compute_the_product_on_llmpipes_kernel(tm
     # both take it), no MatMul and no Concat left
     assert [n.op_type for n in attached.graph.node] == ["Q4Gemv"] * 4
     assert [len(n.input) for n in attached.graph.node] == [7] * 4
+    # the op computes only the adapter's rows before their padding to a block: rank 8 per module, so qkv 24 of
+    # 32, gate / up 16 of 32 (both modules' A side by side), down 8 of 32
+    rows_a = [next(a.i for a in n.attribute if a.name == "rows_a") for n in attached.graph.node]
+    assert rows_a == [24, 16, 16, 8]
     fuse = native._fuse_adapters
     native._fuse_adapters = lambda graph: 0  # the same rows as separate nodes, for comparison
     try:

@@ -108,7 +108,7 @@ static OrtStatus *status(int code, const char *msg) {
 
 /* ---- the op ------------------------------------------------------------------------------------------- */
 typedef struct {
-  int64_t K, N, bits;
+  int64_t K, N, bits, rows_a; /* rows_a: the adapter's rows that are not zero padding (0: all) */
   int threads; /* the session's intra-op threads, 0 when llmpipe did not say (llmpipe.infer.native.register) */
 } Kernel;
 
@@ -147,6 +147,15 @@ static OrtStatus *op_create(const OrtCustomOp *op, const void *a, const OrtKerne
       k->bits = 4;
     }
   }
+  if (!st) {
+    OrtStatus *absent = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "rows_a", &k->rows_a);
+    if (absent) { /* no rows_a attribute: every row */
+      FN(S_ReleaseStatus, void (*)(OrtStatus *))(absent);
+      k->rows_a = 0;
+    }
+  }
+  if (!st && (k->rows_a < 0 || k->rows_a % Q4_TILE))
+    st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: rows_a must be a multiple of 8");
   if (!st && (k->K <= 0 || k->N <= 0 || k->K % Q4_BLOCK || k->N % Q4_TILE || k->K > (1 << 20) || k->N > (1 << 24)))
     st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: K must be a positive multiple of 32 and N of 8");
   if (!st && k->bits != 4 && k->bits != 8) st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: bits must be 4 or 8");
@@ -236,8 +245,11 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   }
   const float *x = ap;
   for (size_t r = 0; r < M; r++) q4_quant_row(x + r * KA, KA, xq + r * (size_t)K * 2, sx + r * nb, xs + r * nb);
-  if (lora) { /* the adapter's product from the same quantised rows (R is small: one thread), then its rows */
-    q4_tiles_strided((int)M, KA, R, 8, wp[3], wp[4], wp[5], xq, (size_t)K * 2, sx, xs, nb, xa, 0, R / Q4_TILE);
+  if (lora) { /* the adapter's product from the same quantised rows (R is small: one thread), then its rows;
+              * the rows past rows_a are the padding to whole blocks (zero in A and in B): not computed */
+    const int ra = k->rows_a > 0 && k->rows_a < R ? (int)k->rows_a : R;
+    if (ra < R) memset(xa, 0, M * (size_t)R * sizeof(float));
+    q4_tiles_strided((int)M, KA, R, 8, wp[3], wp[4], wp[5], xq, (size_t)K * 2, sx, xs, nb, xa, 0, ra / Q4_TILE);
     const int nba = KA / Q4_BLOCK;
     for (size_t r = 0; r < M; r++)
       q4_quant_row(xa + r * R, R, xq + r * (size_t)K * 2 + (size_t)KA * 2, sx + r * nb + nba, xs + r * nb + nba);
