@@ -8,11 +8,13 @@ fp16), so the graph needs no fold nodes either.
 
 `swap_model` rewrites an ORT-only graph's 4-bit MatMulNBits nodes (blocks of 32, N a multiple of 8) into
 Q4Gemv nodes, and with `eight` its 8-bit ones (the head at 8 bits: two nibble planes of the same kernel);
-the others (any other shape or width) stay MatMulNBits. The portable graphs ATC reads
-never get this op. `library()` compiles the op with the machine's C compiler the first time it is needed
+the others (any other shape or width) stay MatMulNBits; a separate LoRA adapter's x A^T node and its Concat
+(llmpipe.infer.lora_rows) go into their readers' optional inputs (`_fuse_adapters`). The portable graphs ATC
+reads never get this op. `library()` compiles the op with the machine's C compiler the first time it is needed
 (argv list, no shell; cached by a hash of the sources and flags, written to a temporary name and renamed, so
 two processes never read a half-written file), and `register(options, graph)` adds it to a session's
-options when the graph uses it. Where it cannot be built (no `cc`, a CPU without AVX2 / FMA / F16C, not
+options when the graph uses it (with the session's thread count, which the op splits its tiles by). Where
+it cannot be built (no `cc`, a CPU without AVX2 / FMA / F16C, not
 Linux x86-64) `unavailable()` says why, before any variant is made.
 """
 
