@@ -142,7 +142,7 @@ def mlas_session(mats: list[dict], threads: int) -> ort.InferenceSession:
 
 def op_session(mats: list[dict], threads: int) -> ort.InferenceSession:
     """The same matrices as llmpipe.Q4Gemv nodes (the custom op the int4 graph runs at kernel: llmpipe)."""
-    return _session(mats, threads, native.OP, native.DOMAIN, kernel_inputs, {}, library=True)
+    return _session(mats, threads, native.OP, native.DOMAIN, kernel_inputs, {"layout": native.LAYOUT}, library=True)
 
 
 class Kernel:

@@ -176,3 +176,42 @@ def smollm2_hf(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("smollm2") / "hf"
     import_gguf(SMOLLM2_GGUF, out)
     return out
+
+
+def as_layout_1(model) -> int:
+    """Rewrites, in place, every llmpipe.Q4Gemv node of `model` (a ModelProto) into layout 1, the weights' layout
+    llmpipe wrote before layout 2 (no `layout` attribute; in a tile's block, load i held rows 2i and 2i + 1, 16
+    bytes each, byte j's low nibble w[j] and high w[j + 16]; d and m in the order r0 r2 r4 r6 r1 r3 r5 r7):
+    a graph an older llmpipe made, for the op's test that such a graph still runs. Returns the nodes rewritten."""
+    from onnx import numpy_helper
+
+    from llmpipe.infer import native
+
+    order = [0, 2, 4, 6, 1, 3, 5, 7]
+
+    def nibbles(codes):
+        n, k = codes.shape
+        c = codes.reshape(n // 8, 8, k // 32, 2, 16)
+        q = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)
+        return np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(n // 8, k // 32, 128)
+
+    inits = {t.name: t for t in model.graph.initializer}
+    done, seen = 0, set()
+    for node in model.graph.node:
+        if node.op_type != native.OP:
+            continue
+        for first in range(1, len(node.input), 3):
+            if node.input[first] in seen:  # an adapter's weights that gate and up share
+                continue
+            seen.add(node.input[first])
+            q, d, m = (numpy_helper.to_array(inits[x]) for x in node.input[first:first + 3])
+            codes = native.unpack(q, d, m)[0]
+            q1 = (np.concatenate([nibbles(codes & 0x0F), nibbles(codes >> 4)], axis=-1)
+                  if q.shape[-1] == 256 else nibbles(codes))
+            for name, arr in zip(node.input[first:first + 3], (q1, d[..., order], m[..., order])):
+                inits[name].CopyFrom(numpy_helper.from_array(np.ascontiguousarray(arr), name))
+        kept = [a for a in node.attribute if a.name != "layout"]
+        del node.attribute[:]
+        node.attribute.extend(kept)
+        done += 1
+    return done

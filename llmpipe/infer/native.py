@@ -34,7 +34,7 @@ DOMAIN = "llmpipe"
 OP = "Q4Gemv"
 BLOCK = 32  # weights per block along K
 TILE = 8  # output rows per tile
-ROW_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # a tile's d and m, in the order the kernel's horizontal adds leave rows
+LAYOUT = 2  # the weights' layout the op reads (native/q4_kernel.h; a node without the attribute is layout 1)
 SOURCES = (Path(__file__).resolve().parent / "native" / "q4op.c",
            Path(__file__).resolve().parent / "native" / "q4_kernel.h")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fPIC", "-shared", "-fvisibility=hidden")
@@ -203,7 +203,8 @@ def register(options, graph) -> None:
 
 def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int = 4) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """codes uint8 [N, K] in 0..2^bits - 1, d and m float [N, K / 32] (w = d * q + m) -> the op's (Q, D, M)
-    inputs: uint8 [N/8, K/32, 32 * bits], float16 [N/8, K/32, 8] twice (native/q4_kernel.h's layout; 8 bits:
+    inputs: uint8 [N/8, K/32, 32 * bits], float16 [N/8, K/32, 8] twice (native/q4_kernel.h's layout 2: in a
+    tile's block, load i's 32-bit lane r is row r, its byte c w[8i + c] low and w[8i + 4 + c] high; 8 bits:
     the low nibbles' plane, then the high nibbles')."""
     n, k = codes.shape
     nb, tiles = k // BLOCK, n // TILE
@@ -211,12 +212,12 @@ def pack(codes: np.ndarray, d: np.ndarray, m: np.ndarray, bits: int = 4) -> tupl
         planes = [pack(codes & 0x0F, d, m)[0], pack(codes >> 4, d, m)[0]]
         q = np.concatenate(planes, axis=-1)
     else:
-        c = codes.reshape(tiles, TILE, nb, 2, 16)  # [tile, row, block, half, j]
-        q = (c[:, :, :, 0, :] | (c[:, :, :, 1, :] << 4)).astype(np.uint8)  # byte j: w[j] low nibble, w[j + 16] high
-        q = np.ascontiguousarray(q.transpose(0, 2, 1, 3)).reshape(tiles, nb, TILE * 16)
+        c = codes.reshape(tiles, TILE, nb, 4, 2, 4)  # [tile, row, block, load i, half, byte c]
+        q = (c[:, :, :, :, 0, :] | (c[:, :, :, :, 1, :] << 4)).astype(np.uint8)  # [tile, row, block, i, c]
+        q = np.ascontiguousarray(q.transpose(0, 2, 3, 1, 4)).reshape(tiles, nb, TILE * 16)
 
     def rows(v):
-        v = np.asarray(v, np.float32).reshape(tiles, TILE, nb).transpose(0, 2, 1)[:, :, ROW_ORDER]
+        v = np.asarray(v, np.float32).reshape(tiles, TILE, nb).transpose(0, 2, 1)
         return np.ascontiguousarray(v.astype(np.float16))
 
     return q, rows(d), rows(m)
@@ -230,12 +231,11 @@ def unpack(q: np.ndarray, d: np.ndarray, m: np.ndarray) -> tuple[np.ndarray, np.
         lo, dd, mm = unpack(q[..., :TILE * 16], d, m)
         hi = unpack(q[..., TILE * 16:], d, m)[0]
         return (lo | (hi << 4)).astype(np.uint8), dd, mm
-    b = q.reshape(tiles, nb, TILE, 16).transpose(0, 2, 1, 3)  # [tile, row, block, j]
-    codes = np.concatenate([b & 0x0F, b >> 4], axis=-1).reshape(tiles * TILE, nb * BLOCK)
-    inverse = np.argsort(ROW_ORDER)
+    b = q.reshape(tiles, nb, 4, TILE, 4).transpose(0, 3, 1, 2, 4)  # [tile, row, block, i, c]
+    codes = np.stack([b & 0x0F, b >> 4], axis=-2).reshape(tiles * TILE, nb * BLOCK)
 
     def rows(v):
-        return v.astype(np.float32)[:, :, inverse].transpose(0, 2, 1).reshape(tiles * TILE, nb)
+        return v.astype(np.float32).transpose(0, 2, 1).reshape(tiles * TILE, nb)
 
     return codes.astype(np.uint8), rows(d), rows(m)
 
@@ -303,7 +303,8 @@ def swap_model(model, eight: bool = True) -> int:
                       numpy_helper.from_array(m, base + "_m")]
         dead.update(x for x in node.input[1:4] if x and readers.get(x) == 1)
         new = helper.make_node(OP, [node.input[0], base + "_q", base + "_d", base + "_m"], list(node.output),
-                               name=node.name, domain=DOMAIN, K=attrs["K"], N=attrs["N"], bits=bits)
+                               name=node.name, domain=DOMAIN, K=attrs["K"], N=attrs["N"], bits=bits,
+                               layout=LAYOUT)
         graph.node[i].CopyFrom(new)
         swapped += 1
     if swapped:

@@ -18,6 +18,7 @@ from safetensors.numpy import save_file
 
 from llmpipe.infer import fold, lora_rows, native
 from llmpipe.infer.ort import _nbits
+from tests.conftest import as_layout_1
 
 H, F, R, SCALE = 256, 128, 8, 2.0  # hidden, feed-forward, rank, alpha / r
 OUTS = {"q_proj": 64, "k_proj": 32, "v_proj": 32, "gate_proj": F, "up_proj": F, "down_proj": H}
@@ -160,6 +161,10 @@ def test_the_rows_on_float_zero_points_compute_the_product_on_llmpipes_kernel(tm
     got = [a - b for a, b in zip(run(attached), run(base))]
     for f, u in zip(run(attached), run(unfused)):
         assert np.abs(f - u).max() / np.abs(u).max() < 1e-2
+    older = copy.deepcopy(attached)  # the same graph as an older llmpipe wrote it: its adapter's inputs too
+    assert as_layout_1(older) == 4
+    for f, o in zip(run(attached), run(older)):
+        np.testing.assert_array_equal(f, o)
 
     def product(x, mods):
         return np.concatenate([feeds[x] @ (SCALE * ab[m][1] @ ab[m][0]).T for m in mods], axis=-1)

@@ -16,6 +16,7 @@ from llmpipe.config import QuantizeSection
 from llmpipe.device import OrtProvider
 from llmpipe.infer import fold, native
 from llmpipe.infer.ort import _nbits, create_session
+from tests.conftest import as_layout_1
 
 needs_kernel = pytest.mark.skipif(native.unavailable() is not None, reason=str(native.unavailable()))
 
@@ -115,6 +116,28 @@ def test_eight_bit_weights_as_two_nibble_planes_compute_what_matmulnbits_did(thr
         # measured: 5e-3 against the fp32 product (int8 activations), 8e-4 against MatMulNBits
         assert np.abs(b - ref).max() / np.abs(ref).max() < 1e-2
         assert np.abs(b - a).max() / np.abs(a).max() < 3e-3
+
+
+@needs_kernel
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_graph_in_the_older_layout_computes_the_same(bits):
+    """A graph llmpipe wrote before layout 2 (no `layout` attribute) is rewritten by the op when its kernel is
+    created: the same outputs as the graph in layout 2, bit for bit (the same sums in the same order)."""
+    m = _nbits(_model(576, [1536, 64], seed=6), bits, 32, 4, False, "hqq" if bits == 4 else "rtn")
+    native.swap_model(m)
+    assert all(any(a.name == "layout" and a.i == 2 for a in n.attribute) for n in m.graph.node)
+    old = onnx.ModelProto()
+    old.CopyFrom(m)
+    assert as_layout_1(old) == 2
+    x = np.random.default_rng(7).standard_normal((2, 5, 576)).astype(np.float32)
+    for a, b in zip(_session(m, 2, True).run(None, {"x": x}), _session(old, 2, True).run(None, {"x": x})):
+        np.testing.assert_array_equal(a, b)
+    bad = onnx.ModelProto()
+    bad.CopyFrom(m)
+    bad.graph.node[0].attribute.append(helper.make_attribute("layout", 3))
+    bad.graph.node[0].attribute.remove(next(a for a in bad.graph.node[0].attribute if a.name == "layout"))
+    with pytest.raises(Exception, match="llmpipe.Q4Gemv: layout must be 1 or 2"):
+        _session(bad, 1, True)
 
 
 @needs_kernel

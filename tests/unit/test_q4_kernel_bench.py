@@ -35,6 +35,12 @@ def test_kernel_matches_matmulnbits_on_the_same_weights(tmp_path):
 
 
 def test_a_kernel_fed_the_wrong_row_order_is_caught(monkeypatch, capsys):
-    monkeypatch.setattr(q4_kernel.native, "ROW_ORDER", list(range(8)))  # scales no longer follow the rows
+    pack = q4_kernel.native.pack
+
+    def scrambled(*args, **kw):  # each tile's scales no longer follow its rows
+        q, d, m = pack(*args, **kw)
+        return q, d[..., ::-1].copy(), m[..., ::-1].copy()
+
+    monkeypatch.setattr(q4_kernel.native, "pack", scrambled)
     assert q4_kernel.main(["--layers", "1", "--threads", "1", "--rounds", "1", "--reps", "1"]) == 1
     assert "more than twice MLAS's" in capsys.readouterr().err

@@ -2,7 +2,10 @@
  *
  *   Q4Gemv(A float [..., K], Q uint8 [N/8, K/32, 32 * bits], D float16 [N/8, K/32, 8], M float16 [same]
  *          [, QA uint8 [R/8, KA/32, 256], DA, MA float16 [R/8, KA/32, 8]])
- *     -> Y float [..., N]          attributes K, N, bits (4 or 8; absent: 4)
+ *     -> Y float [..., N]          attributes K, N, bits (4 or 8; absent: 4), layout (2; absent: 1), rows_a
+ *
+ * The weights are in q4_kernel.h's layout 2. A node without `layout` (a graph an older llmpipe wrote, in
+ * layout 1) has its constant weights rewritten into layout 2 once, when its kernel is created.
  *
  * With the optional QA, DA, MA (a LoRA adapter's A, R rows at 8 bits; llmpipe.infer.lora_rows' rows kept
  * apart): A is [..., KA] with KA = K - R, and the op computes A . [W_base; B rows] over concat(A, A . A_lora^T),
@@ -87,8 +90,10 @@ enum {
   S_KernelContext_GetOutput = 91,
   S_ReleaseStatus = 93,
   S_ReleaseTensorTypeAndShapeInfo = 99,
+  S_KernelInfo_GetInputCount = 230,
   S_HasSessionConfigEntry = 237,
   S_GetSessionConfigEntry = 238,
+  S_KernelInfoGetConstantInput_tensor = 249,
   S_GetBuildInfoString = 254,
   S_KernelContext_ParallelFor = 274,
 };
@@ -110,6 +115,7 @@ static OrtStatus *status(int code, const char *msg) {
 typedef struct {
   int64_t K, N, bits, rows_a; /* rows_a: the adapter's rows that are not zero padding (0: all) */
   int threads; /* the session's intra-op threads, 0 when llmpipe did not say (llmpipe.infer.native.register) */
+  void *own[6]; /* a layout-1 graph's Q, D, M (, QA, DA, MA) rewritten in layout 2 at creation, else NULL */
 } Kernel;
 
 /* The op as registered in one session's options: onnxruntime hands this pointer back to CreateKernelV2. */
@@ -131,7 +137,46 @@ static int op_required(const OrtCustomOp *op, size_t i) { (void)op, (void)i; ret
 static int op_input_kind(const OrtCustomOp *op, size_t i) { (void)op; return i < 4 ? 0 : 1; /* OPTIONAL: QA, DA, MA */ }
 static int op_mem_default(const OrtCustomOp *op, size_t i) { (void)op, (void)i; return 0; /* OrtMemTypeDefault */ }
 static int op_one(const OrtCustomOp *op) { (void)op; return 1; }
-static void op_destroy(void *k) { free(k); }
+static void op_destroy(void *kp) {
+  Kernel *k = kp;
+  if (k)
+    for (int i = 0; i < 6; i++) free(k->own[i]);
+  free(k);
+}
+
+static OrtStatus *data(const OrtValue *v, void **p);
+static OrtStatus *count_of(const OrtValue *v, size_t *count);
+
+/* A layout-1 node (no `layout` attribute: what llmpipe wrote before layout 2) gets its constant weights
+ * rewritten in layout 2 once (q4_relayout), so a graph an older llmpipe made runs without being made again. */
+static OrtStatus *relayout(Kernel *k, const OrtKernelInfo *info) {
+  size_t n = 0;
+  TRY(FN(S_KernelInfo_GetInputCount, OrtStatus *(*)(const OrtKernelInfo *, size_t *))(info, &n));
+  for (int g = 0; g < (n >= 7 ? 2 : 1); g++) { /* the weight, then the adapter's */
+    const OrtValue *v[3];
+    void *p[3];
+    size_t c[3];
+    for (int i = 0; i < 3; i++) {
+      int constant = 0;
+      TRY(FN(S_KernelInfoGetConstantInput_tensor, OrtStatus *(*)(const OrtKernelInfo *, size_t, int *,
+                                                                 const OrtValue **))(info, 1 + 3 * g + i, &constant, &v[i]));
+      if (!constant || !v[i])
+        return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: a layout-1 node's weights must be initializers");
+      TRY(data(v[i], &p[i]));
+      TRY(count_of(v[i], &c[i]));
+    }
+    const int planes = g ? 2 : (int)k->bits / 4;
+    const size_t blocks = c[0] / (128 * (size_t)planes);
+    if (c[0] != blocks * 128 * planes || c[1] != blocks * 8 || c[2] != blocks * 8)
+      return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: a weight input's size does not fit K, N");
+    uint8_t *q = calloc(c[0], 1);
+    uint16_t *d = malloc(c[1] * 2), *m = malloc(c[2] * 2);
+    k->own[3 * g] = q, k->own[3 * g + 1] = d, k->own[3 * g + 2] = m;
+    if (!q || !d || !m) return status(ORT_FAIL, "llmpipe.Q4Gemv: out of memory");
+    q4_relayout(p[0], p[1], p[2], q, d, m, blocks, planes);
+  }
+  return NULL;
+}
 
 static OrtStatus *op_create(const OrtCustomOp *op, const void *a, const OrtKernelInfo *info, void **out) {
   (void)a;
@@ -159,8 +204,19 @@ static OrtStatus *op_create(const OrtCustomOp *op, const void *a, const OrtKerne
   if (!st && (k->K <= 0 || k->N <= 0 || k->K % Q4_BLOCK || k->N % Q4_TILE || k->K > (1 << 20) || k->N > (1 << 24)))
     st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: K must be a positive multiple of 32 and N of 8");
   if (!st && k->bits != 4 && k->bits != 8) st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: bits must be 4 or 8");
+  int64_t layout = 1;
+  if (!st) {
+    OrtStatus *absent = FN(S_KernelInfoGetAttribute_int64, GetInt)(info, "layout", &layout);
+    if (absent) { /* no layout attribute: layout 1 */
+      FN(S_ReleaseStatus, void (*)(OrtStatus *))(absent);
+      layout = 1;
+    }
+  }
+  if (!st && layout != 1 && layout != 2)
+    st = status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: layout must be 1 or 2 (a graph from a newer llmpipe?)");
+  if (!st && layout == 1) st = relayout(k, info);
   if (st) {
-    free(k);
+    op_destroy(k);
     return st;
   }
   k->threads = ((const RegisteredOp *)op)->threads;
@@ -187,6 +243,15 @@ static OrtStatus *input(OrtKernelContext *ctx, size_t i, const OrtValue **v, int
 
 static OrtStatus *data(const OrtValue *v, void **p) {
   return FN(S_GetTensorMutableData, OrtStatus *(*)(OrtValue *, void **))((OrtValue *)v, p);
+}
+
+static OrtStatus *count_of(const OrtValue *v, size_t *count) {
+  OrtTensorTypeAndShapeInfo *info;
+  TRY(FN(S_GetTensorTypeAndShape, OrtStatus *(*)(const OrtValue *, OrtTensorTypeAndShapeInfo **))(v, &info));
+  OrtStatus *st =
+      FN(S_GetTensorShapeElementCount, OrtStatus *(*)(const OrtTensorTypeAndShapeInfo *, size_t *))(info, count);
+  FN(S_ReleaseTensorTypeAndShapeInfo, void (*)(OrtTensorTypeAndShapeInfo *))(info);
+  return st;
 }
 
 typedef struct {
@@ -225,6 +290,7 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
     TRY(input(ctx, 1 + i, &w[i], wd, &wrank, &wcount));
     if (wcount != want[i]) return status(ORT_INVALID_ARGUMENT, "llmpipe.Q4Gemv: a weight input's size does not fit K, N");
     TRY(data(w[i], &wp[i]));
+    if (k->own[i]) wp[i] = k->own[i]; /* a layout-1 graph's weights, rewritten at creation */
   }
   TRY(data(a, &ap));
   dims[rank - 1] = N;
@@ -236,7 +302,7 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
   if (M == 0) return NULL;
   /* the activation rows as q4_quant_row leaves them, back to back, K wide (with an adapter: A's KA, then the
    * R values of A . A_lora^T) */
-  int8_t *xq = malloc(M * (size_t)K * 2);
+  int8_t *xq = malloc(M * (size_t)K);
   float *sx = malloc(M * nb * sizeof(float)), *xs = malloc(M * nb * sizeof(float));
   float *xa = lora ? malloc(M * (size_t)R * sizeof(float)) : NULL;
   if (!xq || !sx || !xs || (lora && !xa)) {
@@ -244,15 +310,15 @@ static OrtStatus *op_compute(void *kp, OrtKernelContext *ctx) {
     return status(ORT_FAIL, "llmpipe.Q4Gemv: out of memory for the activation buffer");
   }
   const float *x = ap;
-  for (size_t r = 0; r < M; r++) q4_quant_row(x + r * KA, KA, xq + r * (size_t)K * 2, sx + r * nb, xs + r * nb);
+  for (size_t r = 0; r < M; r++) q4_quant_row(x + r * KA, KA, xq + r * (size_t)K, sx + r * nb, xs + r * nb);
   if (lora) { /* the adapter's product from the same quantised rows (R is small: one thread), then its rows;
               * the rows past rows_a are the padding to whole blocks (zero in A and in B): not computed */
     const int ra = k->rows_a > 0 && k->rows_a < R ? (int)k->rows_a : R;
     if (ra < R) memset(xa, 0, M * (size_t)R * sizeof(float));
-    q4_tiles_strided((int)M, KA, R, 8, wp[3], wp[4], wp[5], xq, (size_t)K * 2, sx, xs, nb, xa, 0, ra / Q4_TILE);
+    q4_tiles_strided((int)M, KA, R, 8, wp[3], wp[4], wp[5], xq, (size_t)K, sx, xs, nb, xa, 0, ra / Q4_TILE);
     const int nba = KA / Q4_BLOCK;
     for (size_t r = 0; r < M; r++)
-      q4_quant_row(xa + r * R, R, xq + r * (size_t)K * 2 + (size_t)KA * 2, sx + r * nb + nba, xs + r * nb + nba);
+      q4_quant_row(xa + r * R, R, xq + r * (size_t)K + (size_t)KA, sx + r * nb + nba, xs + r * nb + nba);
   }
   /* One chunk of tiles per thread when the session's thread count is known, each at least 32 KB of weights
    * (a smaller matrix: fewer chunks); else chunks of 256 KB. Measured on SmolLM2-135M at 2 threads (an AMD Zen
