@@ -218,3 +218,24 @@ def test_the_opset_domains_are_read_without_parsing_the_graph(tmp_path):
         native.opset_domains(bad)
     opts = ort.SessionOptions()
     native.register(opts, bad)  # nothing registered, nothing raised
+
+
+def test_the_kernel_field_moves_the_benchmarks_fingerprint_only_when_set(tmp_path):
+    """`kernel` is an added result field (it decides the int4 graph): a config that never named it, or names the
+    default, hashes as before (a finished benchmark is not re-run by the upgrade); kernel llmpipe moves the
+    benchmark's fingerprint and no earlier stage's."""
+    from llmpipe.config import from_dict
+    from llmpipe.stages import fingerprints
+
+    base = {"run": {"name": "t", "artifacts_dir": str(tmp_path)}, "data": {"inputs": ["x"]},
+            "export": {"ort_graph": True}, "benchmark": {"variants": ["fp32", "int4"]}}
+
+    def with_int4(**int4):
+        return fingerprints(from_dict({**base, "benchmark": {**base["benchmark"], "quantize": {"int4": int4}}}))
+
+    before = fingerprints(from_dict(base))
+    assert with_int4(kernel="onnxruntime") == before
+    ours = with_int4(kernel="llmpipe", algorithm="hqq", block_size=32)
+    plain = with_int4(algorithm="hqq", block_size=32)
+    assert ours["benchmark"] != plain["benchmark"]
+    assert {k: v for k, v in ours.items() if k != "benchmark"} == {k: v for k, v in plain.items() if k != "benchmark"}
