@@ -2,7 +2,7 @@
 
 onnxruntime's MatMulNBits (MLAS) streams a 4-bit decode step's weights at about half of one core's read
 rate; llmpipe's kernel (native/q4_kernel.h: AVX2, tiles of 8 output rows sharing each int8 activation
-block, one horizontal add per 8 rows) streams them 1.4x faster on the same codes (benchmarks/q4_kernel.py,
+block, each row in a lane of its own: layout 2) streams them 1.4x faster on the same codes (benchmarks/q4_kernel.py,
 docs/measurements/quantisation.md). It takes HQQ's float zero points as they are (w = d * q + m, d and m
 fp16), so the graph needs no fold nodes either.
 
