@@ -23,7 +23,7 @@ double q4_run(int nmat, const int *N, const int *K, const uint8_t **q, const uin
               const float **x, float **y, int reps, int threads) {
   int kmax = 0;
   for (int i = 0; i < nmat; i++) kmax = K[i] > kmax ? K[i] : kmax;
-  int8_t *xq = aligned_alloc(64, (size_t)kmax * 2 + 64);
+  int8_t *xq = aligned_alloc(64, (size_t)kmax + 64);
   float *sx = malloc(sizeof(float) * (kmax / 32 + 1)), *xs = malloc(sizeof(float) * (kmax / 32 + 1));
   double best = 1e30;
   for (int r = 0; r < reps; r++) {
